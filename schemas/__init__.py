@@ -1,0 +1,20 @@
+"""Messages that travel on fanroute's Kafka topics: one module per topic.
+
+Every message is a frozen pydantic model with a ``schema_version``; :func:`schemas.base.decode`
+refuses a version this build does not read with a clear error.
+"""
+
+from schemas.adapter import AdapterPublished
+from schemas.base import Message, decode
+from schemas.dead_letter import DeadLetter
+from schemas.episode import ChatMessage, Episode, RewardComponent
+from schemas.task import Task
+from schemas.trace import Candidate, Citation, Signals, Trace
+from schemas.verdict import CandidateGrade, Verdict
+from schemas.topics import TOPICS, TopicSpec, topic
+
+__all__ = [
+    "AdapterPublished", "Candidate", "CandidateGrade", "ChatMessage", "Citation", "DeadLetter",
+    "Episode", "Message", "RewardComponent", "Signals", "Task", "TOPICS", "TopicSpec", "Trace",
+    "Verdict", "decode", "topic",
+]

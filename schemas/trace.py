@@ -1,0 +1,80 @@
+"""Topic ``traces``: one fan-out (or routed) request with every candidate.
+
+Producer: gateway. Consumers: judge, episode builder.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from schemas.base import Message
+
+
+class Citation(Message):
+    """One cited document: a stable URL (``collection://<name>/<doc_id>`` for local providers)."""
+
+    schema_version: Literal[1] = 1
+    url: str = Field(min_length=1, max_length=4096, description="Stable URL or doc id")
+    title: str = Field(default="", max_length=4096)
+    rank: int = Field(ge=1, description="1-based rank in the provider's answer")
+    snippet: str = Field(default="", max_length=16384)
+    score: float | None = Field(default=None, description="Provider's own score, if it gives one")
+
+
+class Candidate(Message):
+    """One provider's answer to the query, or the error it failed with."""
+
+    schema_version: Literal[1] = 1
+    provider: str = Field(min_length=1, max_length=128)
+    answer: str = Field(default="", description="Answer text built from the citations")
+    citations: tuple[Citation, ...] = ()
+    latency_ms: float = Field(ge=0)
+    cost_usd: float = Field(ge=0)
+    error: str | None = Field(default=None, description="Why the provider failed, if it did")
+    error_kind: str | None = Field(default=None, description="timeout, http_error, bad_response, ...")
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class Signals(Message):
+    """Selection-time signals; citation overlap decides what gets judged."""
+
+    schema_version: Literal[1] = 1
+    pairwise_overlap: dict[str, float] = Field(
+        default_factory=dict,
+        description="Jaccard overlap of cited URLs for each provider pair, keyed 'a|b' (sorted)",
+    )
+    mean_overlap: float = Field(ge=0, le=1)
+    min_overlap: float = Field(ge=0, le=1)
+    contested: bool
+    contested_threshold: float = Field(ge=0, le=1)
+    providers_ok: int = Field(ge=0)
+    providers_failed: int = Field(ge=0)
+
+
+class Trace(Message):
+    """A request, every candidate, and the signals computed while answering it."""
+
+    schema_version: Literal[1] = 1
+    trace_id: str = Field(min_length=1, max_length=128)
+    received_at: datetime
+    query: str = Field(min_length=1, max_length=4096)
+    query_id: str | None = Field(default=None, description="Caller's id (e.g. '<collection>/<qid>')")
+    mode: Literal["fanout", "routed"]
+    router_version: str | None = Field(default=None, description="Adapter version, when routed")
+    candidates: tuple[Candidate, ...]
+    signals: Signals
+
+    @model_validator(mode="after")
+    def _routed_has_version(self) -> Trace:
+        if self.mode == "routed" and not self.router_version:
+            raise ValueError("a routed trace must name its router_version")
+        names = [c.provider for c in self.candidates]
+        if len(names) != len(set(names)):
+            raise ValueError("candidates must have distinct provider names")
+        return self

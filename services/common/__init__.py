@@ -1,0 +1,1 @@
+"""Shared plumbing for every service: bus, settings, errors, logging."""

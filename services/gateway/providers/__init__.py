@@ -1,0 +1,1 @@
+"""Search providers: local retrievers over real test collections and real web-search APIs."""
