@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from schemas.base import Message
 
 
 class DeadLetter(Message):
-    """A dead-lettered record as read back from a ``.dlq`` topic."""
+    """A dead-lettered record as read back from a ``.dlq`` topic (bytes are base64 in JSON)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", ser_json_bytes="base64",
+                              val_json_bytes="base64")
 
     schema_version: Literal[1] = 1
     source_topic: str

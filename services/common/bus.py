@@ -1,0 +1,198 @@
+"""Typed publish and consume over Kafka (FastStream + aiokafka), with a dead-letter topic.
+
+Publishing uses acks=all and the idempotent producer. A consumed record that does not parse as
+its topic's model goes, untouched, to ``<topic>.dlq`` with the reason in its headers, and the
+consumer moves on. A handler that keeps failing after its retries is dead-lettered the same way.
+If the dead-letter publish itself fails the record is not committed, so it is redelivered.
+``bootstrap_servers="memory://"`` runs the same code on FastStream's in-memory broker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from faststream import AckPolicy
+from faststream.kafka import KafkaBroker, KafkaMessage
+
+from schemas.base import Message, decode
+from schemas.dead_letter import DeadLetter
+from schemas.topics import TOPICS, TopicSpec
+from services.common.errors import BusError, SchemaError
+from services.common.settings import KafkaSettings
+
+log = logging.getLogger(__name__)
+M = TypeVar("M", bound=Message)
+MEMORY = "memory://"
+
+DLQ_HEADERS = ("x-dlq-reason", "x-dlq-error-type", "x-dlq-source-topic", "x-dlq-source-partition",
+               "x-dlq-source-offset", "x-dlq-consumer")
+
+
+async def _raw_body(msg: Any) -> bytes:
+    """Decoder that hands handlers the record's bytes untouched (we validate ourselves)."""
+    return msg.body
+
+
+class Bus:
+    """One broker connection per process: topic naming, publishing, typed subscribers."""
+
+    def __init__(self, settings: KafkaSettings, *, client_id: str | None = None) -> None:
+        self.settings = settings
+        self.in_memory = settings.bootstrap_servers == MEMORY
+        self.broker = KafkaBroker(
+            "localhost" if self.in_memory else settings.bootstrap_servers,
+            client_id=client_id or settings.client_id,
+            acks="all",
+            enable_idempotence=True,
+            request_timeout_ms=settings.request_timeout_ms,
+            logger=None,
+        )
+        self._topics: set[TopicSpec] = set()
+        self._test_ctx: Any = None
+
+    def name(self, spec: TopicSpec) -> str:
+        """The topic's name on the wire, with this bus's namespace prefix."""
+        return f"{self.settings.topic_namespace}{spec.name}"
+
+    def dlq_name(self, spec: TopicSpec) -> str:
+        return f"{self.settings.topic_namespace}{spec.dlq}"
+
+    async def start(self, topics: tuple[TopicSpec, ...] = ()) -> None:
+        """Create ``topics`` (and their DLQs) if missing, then connect."""
+        self._topics.update(topics)
+        if self.in_memory:
+            from faststream.kafka import TestKafkaBroker
+
+            self._test_ctx = TestKafkaBroker(self.broker)
+            await self._test_ctx.__aenter__()
+            return
+        if self.settings.ensure_topics and self._topics:
+            await ensure_topics(self.settings, [(self.name(s), s) for s in self._topics])
+        try:
+            await self.broker.start()
+        except Exception as exc:  # aiokafka raises several unrelated types here
+            raise BusError(f"cannot connect to Kafka at {self.settings.bootstrap_servers}: {exc}") from exc
+
+    async def stop(self) -> None:
+        if self._test_ctx is not None:
+            await self._test_ctx.__aexit__(None, None, None)
+            self._test_ctx = None
+            return
+        await self.broker.stop()
+
+    async def publish(self, spec: TopicSpec, message: Message) -> None:
+        """Publish ``message`` keyed by its id and wait for acks=all; failures raise BusError."""
+        await self.publish_raw(self.name(spec), message.to_bytes(), key=spec.key_of(message),
+                               headers={"content-type": "application/json",
+                                        "schema_version": str(getattr(message, "schema_version", ""))})
+
+    async def publish_raw(self, topic: str, value: bytes, *, key: bytes | None,
+                          headers: dict[str, str]) -> None:
+        try:
+            await asyncio.wait_for(
+                self.broker.publish(value, topic, key=key, headers=headers),
+                timeout=self.settings.publish_timeout_s,
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise BusError(f"publish to {topic} failed: {type(exc).__name__}: {exc}") from exc
+
+    def subscribe(
+        self,
+        spec: TopicSpec,
+        handler: Callable[[M], Awaitable[None]],
+        *,
+        group_id: str,
+        model: type[M] | None = None,
+        max_attempts: int = 3,
+        retry_backoff_s: float = 0.2,
+        auto_offset_reset: str = "earliest",
+    ) -> Any:
+        """Register ``handler`` for ``spec``'s topic: parse, retry, dead-letter, then commit."""
+        model_cls: type[M] = model or spec.model  # type: ignore[assignment]
+        bus = self
+
+        async def _consume(body: bytes, msg: KafkaMessage) -> None:
+            record = msg.raw_message
+            try:
+                parsed = decode(model_cls, body)
+            except SchemaError as exc:
+                await bus.dead_letter(spec, record, group_id, exc)
+                return
+            for attempt in range(1, max_attempts + 1):
+                try:
+                    await handler(parsed)
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if attempt == max_attempts:
+                        log.exception("handler failed %d times on %s; dead-lettering", attempt, spec.name)
+                        await bus.dead_letter(spec, record, group_id, exc)
+                        return
+                    await asyncio.sleep(retry_backoff_s * 2 ** (attempt - 1))
+
+        _consume.__name__ = f"consume_{spec.name}_{group_id}".replace("-", "_").replace(".", "_")
+        sub = self.broker.subscriber(
+            self.name(spec), group_id=group_id, auto_offset_reset=auto_offset_reset,
+            ack_policy=AckPolicy.NACK_ON_ERROR, decoder=_raw_body,
+        )
+        return sub(_consume)
+
+    async def dead_letter(self, spec: TopicSpec, record: Any, consumer: str, exc: BaseException) -> None:
+        """Send ``record``'s original bytes to the DLQ with the reason; raises if Kafka refuses."""
+        reason = str(exc)[:2000] or type(exc).__name__
+        log.warning("dead-lettering %s[%s]@%s: %s", record.topic, record.partition, record.offset, reason)
+        headers = dict(zip(DLQ_HEADERS, (reason, type(exc).__name__, record.topic, str(record.partition),
+                                         str(record.offset), consumer)))
+        await self.publish_raw(self.dlq_name(spec), record.value or b"", key=record.key, headers=headers)
+
+
+def dead_letter_from_record(record: Any) -> DeadLetter:
+    """Read a DLQ record (aiokafka ConsumerRecord) back into a :class:`DeadLetter`."""
+    h = {k: v.decode() for k, v in (record.headers or ())}
+    return DeadLetter(source_topic=h["x-dlq-source-topic"], source_partition=int(h["x-dlq-source-partition"]),
+                      source_offset=int(h["x-dlq-source-offset"]), consumer=h["x-dlq-consumer"],
+                      reason=h["x-dlq-reason"], error_type=h["x-dlq-error-type"],
+                      original=record.value or b"", original_key=record.key)
+
+
+async def ensure_topics(settings: KafkaSettings, topics: list[tuple[str, TopicSpec]]) -> None:
+    """Create each topic and its DLQ with the registry's partitions and retention, if missing."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=settings.bootstrap_servers,
+                                request_timeout_ms=settings.request_timeout_ms)
+    try:
+        await admin.start()
+        existing = set(await admin.list_topics())
+        wanted = []
+        for name, spec in topics:
+            cfg = {"retention.ms": str(spec.retention_ms)}
+            if name not in existing:
+                wanted.append(NewTopic(name, spec.partitions, 1, topic_configs=cfg))
+            if f"{name}.dlq" not in existing:
+                wanted.append(NewTopic(f"{name}.dlq", 1, 1, topic_configs=cfg))
+        if wanted:
+            resp = await admin.create_topics(wanted)
+            _raise_on_create_errors(resp)
+    except BusError:
+        raise
+    except Exception as exc:
+        raise BusError(f"cannot create topics on {settings.bootstrap_servers}: {exc}") from exc
+    finally:
+        await admin.close()
+
+
+def _raise_on_create_errors(resp: Any) -> None:
+    """Raise unless every create succeeded or the topic already existed (error 36)."""
+    for name, code, *rest in getattr(resp, "topic_errors", ()):
+        if code not in (0, 36):
+            raise BusError(f"create topic {name} failed with Kafka error {code}: {rest}")
+
+
+__all__ = ["Bus", "MEMORY", "TOPICS", "dead_letter_from_record", "ensure_topics"]

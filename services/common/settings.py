@@ -1,0 +1,42 @@
+"""Settings shared by every service (env prefix ``FANROUTE_``, nested with ``__``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class KafkaSettings(BaseModel):
+    """How to reach the Kafka cluster."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    bootstrap_servers: str = Field(default="127.0.0.1:9092", min_length=1,
+                                   description="Comma-separated host:port list")
+    client_id: str = Field(default="fanroute", min_length=1, max_length=128,
+                           description="Client id prefix seen in broker logs")
+    request_timeout_ms: int = Field(default=15_000, ge=1_000, le=300_000,
+                                    description="Broker request timeout")
+    publish_timeout_s: float = Field(default=5.0, gt=0, le=120,
+                                     description="How long a publish may wait for acks=all")
+    topic_namespace: str = Field(default="", max_length=64, pattern=r"^[A-Za-z0-9._-]*$",
+                                 description="Prefix for every topic name (tests use a fresh one)")
+    ensure_topics: bool = Field(default=True,
+                                description="Create registry topics with their partition counts at start")
+
+
+class RedisSettings(BaseModel):
+    """How to reach Redis (version stamps, relay credentials, idempotency keys)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    url: str = Field(default="redis://127.0.0.1:6379/0", min_length=1, description="Redis URL")
+
+
+class ServiceSettings(BaseSettings):
+    """Base class for a service's settings: Kafka, Redis and logging."""
+
+    model_config = SettingsConfigDict(env_prefix="FANROUTE_", env_nested_delimiter="__",
+                                      extra="ignore", frozen=True)
+    kafka: KafkaSettings = Field(default_factory=KafkaSettings, description="Kafka connection")
+    redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis connection")
+    log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
+                           description="Root log level")

@@ -1,0 +1,220 @@
+"""The fan-out gateway: ``POST /v1/search`` → every provider → a Trace on the ``traces`` topic."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.base import content_id
+from schemas.topics import topic
+from schemas.trace import Candidate, Signals, Trace
+from services.common.bus import Bus
+from services.common.errors import BusError
+from services.gateway.fanout import fan_out
+from services.gateway.fusion import FusedResult, rrf
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.providers.base import Provider
+from services.gateway.providers.registry import build_provider
+from services.gateway.settings import GatewaySettings
+from services.gateway.signals import compute_signals
+
+log = logging.getLogger(__name__)
+TRACE_HEADER = "X-Fanroute-Trace"
+
+
+class SearchRequest(BaseModel):
+    """A search; ``request_id`` makes a retried request produce the same trace id."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    query: str = Field(description="The user's query (non-empty after trimming)")
+    query_id: str | None = Field(default=None, max_length=256, description="Caller's id for the query")
+    request_id: str | None = Field(default=None, min_length=1, max_length=128,
+                                   description="Idempotency key: the trace id is derived from it")
+
+
+class SearchResponse(BaseModel):
+    """Every candidate, one fused list, the signals, and whether the trace reached Kafka."""
+
+    trace_id: str
+    mode: str
+    query: str
+    candidates: list[Candidate]
+    fused: list[FusedResult]
+    signals: Signals
+    trace_published: bool
+    trace_error: str | None = None
+
+
+class Gateway:
+    """Providers, bus and metrics of one running gateway; the routes call into it."""
+
+    def __init__(self, settings: GatewaySettings, bus: Bus, providers: list[Provider]) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.providers = providers
+        self.metrics = GatewayMetrics()
+        for p in providers:
+            for outcome in ("ok", "error"):
+                self.metrics.provider_calls.labels(p.name, outcome)
+
+    async def start(self) -> None:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(p.start() for p in self.providers))
+        await self.bus.start((topic("traces"),))
+        log.info("gateway ready in %.1fs with providers %s", time.perf_counter() - t0,
+                 [p.name for p in self.providers])
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(p.close() for p in self.providers), return_exceptions=True)
+        await self.bus.stop()
+
+    async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, bool]:
+        """Fan out, build and publish the trace; returns the response and whether Kafka acked."""
+        t0 = time.perf_counter()
+        received = datetime.now(UTC)
+        trace_id = content_id("trace", req.request_id) if req.request_id else uuid.uuid4().hex
+        candidates = await fan_out(self.providers, query, deadline_s=self.settings.deadline_s)
+        signals = compute_signals(candidates, self.settings.contested_threshold)
+        trace = Trace(trace_id=trace_id, received_at=received, query=query, query_id=req.query_id,
+                      mode="fanout", candidates=tuple(candidates), signals=signals)
+        published, error = await self._publish(trace)
+        self._observe(candidates, signals, time.perf_counter() - t0)
+        fused = rrf(candidates, k=self.settings.rrf_k, limit=self.settings.fused_limit)
+        return SearchResponse(trace_id=trace_id, mode="fanout", query=query, candidates=candidates,
+                              fused=fused, signals=signals, trace_published=published,
+                              trace_error=error), published
+
+    async def _publish(self, trace: Trace) -> tuple[bool, str | None]:
+        try:
+            await self.bus.publish(topic("traces"), trace)
+        except BusError as exc:
+            self.metrics.traces_unpublished.inc()
+            log.error("trace %s NOT published: %s", trace.trace_id, exc)
+            return False, str(exc)
+        self.metrics.traces_published.inc()
+        return True, None
+
+    def _observe(self, candidates: list[Candidate], signals: Signals, seconds: float) -> None:
+        m = self.metrics
+        m.requests.labels("fanout", "ok").inc()
+        m.request_seconds.labels("fanout").observe(seconds)
+        if signals.contested:
+            m.contested.inc()
+        for c in candidates:
+            m.provider_calls.labels(c.provider, "ok" if c.ok else "error").inc()
+            m.provider_seconds.labels(c.provider).observe(c.latency_ms / 1000.0)
+            if c.cost_usd:
+                m.provider_cost.labels(c.provider).inc(c.cost_usd)
+
+
+def build_gateway(settings: GatewaySettings, *, bus: Bus | None = None,
+                  providers: list[Provider] | None = None) -> Gateway:
+    """Wire a gateway from settings; tests may hand in their own bus or providers."""
+    if providers is None:
+        providers = [build_provider(cfg, collections_dir=settings.collections_dir,
+                                    cache_dir=settings.cache_dir)
+                     for cfg in settings.providers if cfg.enabled]
+    return Gateway(settings, bus or Bus(settings.kafka, client_id="fanroute-gateway"), providers)
+
+
+def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> FastAPI:
+    """The FastAPI app; the gateway starts (indexes, Kafka) in the lifespan, before serving."""
+    gw = gateway or build_gateway(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await gw.start()
+        try:
+            yield
+        finally:
+            await gw.stop()
+
+    app = FastAPI(title="fanroute gateway", version="0.1.0", lifespan=lifespan,
+                  description="Fans each query out to every search provider and records a trace.")
+    app.state.gateway = gw
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=gw.metrics)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        gw.metrics.rejected.labels("invalid").inc()
+        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
+                           for e in errors[:5])
+        return _error(422, "invalid_request", reason)
+
+    @app.post("/v1/search", response_model=SearchResponse,
+              responses={413: {"description": "Body or query too large"},
+                         422: {"description": "Invalid request, with the reason"}})
+    async def search(req: SearchRequest, response: Response) -> Any:
+        query = " ".join(req.query.split())
+        if not query:
+            gw.metrics.rejected.labels("empty_query").inc()
+            return _error(422, "invalid_request", "query: must not be empty or only whitespace")
+        if len(query) > settings.max_query_chars:
+            gw.metrics.rejected.labels("query_too_long").inc()
+            return _error(413, "query_too_long",
+                          f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
+        result, published = await gw.search(req, query)
+        response.headers[TRACE_HEADER] = "published" if published else "unpublished"
+        return result
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "providers": [p.name for p in gw.providers],
+                "kafka": "memory" if gw.bus.in_memory else gw.settings.kafka.bootstrap_servers}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _error(status: int, error: str, reason: str) -> JSONResponse:
+    return JSONResponse({"error": error, "reason": reason}, status_code=status)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them all."""
+
+    def __init__(self, app: Any, *, max_bytes: int, metrics: GatewayMetrics) -> None:
+        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            self.metrics.rejected.labels("body_too_large").inc()
+            resp = _error(413, "body_too_large", f"request body over {self.max_bytes} bytes")
+            return await resp(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > self.max_bytes:
+                raise _TooLarge
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            self.metrics.rejected.labels("body_too_large").inc()
+            await _error(413, "body_too_large", f"request body over {self.max_bytes} bytes")(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,32 @@
+"""Prometheus metrics of one gateway (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class GatewayMetrics:
+    """Counters and histograms the gateway updates per request."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("fanroute_gateway_requests", "Search requests", ["mode", "status"], registry=r)
+        self.request_seconds = Histogram("fanroute_gateway_request_seconds", "End-to-end request time",
+                                         ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.provider_calls = Counter("fanroute_provider_calls", "Provider calls by outcome",
+                                      ["provider", "outcome"], registry=r)
+        self.provider_seconds = Histogram("fanroute_provider_latency_seconds", "Provider call latency",
+                                          ["provider"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.provider_cost = Counter("fanroute_provider_cost_usd", "Provider spend in USD",
+                                     ["provider"], registry=r)
+        self.traces_published = Counter("fanroute_traces_published", "Traces acknowledged by Kafka",
+                                        registry=r)
+        self.traces_unpublished = Counter("fanroute_traces_unpublished",
+                                          "Traces Kafka did not acknowledge (the caller was told)",
+                                          registry=r)
+        self.contested = Counter("fanroute_traces_contested", "Traces flagged contested", registry=r)
+        self.rejected = Counter("fanroute_gateway_rejected", "Requests refused with a 4xx", ["reason"],
+                                registry=r)

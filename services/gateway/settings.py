@@ -1,0 +1,72 @@
+"""Gateway settings: where it listens, which providers it fans out to, and its limits."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
+
+from services.common.errors import ConfigError
+from services.common.settings import ServiceSettings
+from services.gateway.providers.config import BM25Config, DenseConfig, LatencyModel, ProviderConfig
+
+
+def default_providers() -> list[ProviderConfig]:
+    """The embedded default: five local providers over the bundled test collections that differ
+    in coverage, method, cost and latency, so that choosing between them is a real decision."""
+    return [
+        BM25Config(name="bm25-all", cost_usd=0.001, latency=LatencyModel(median_ms=120, sigma=0.3)),
+        DenseConfig(name="dense-all", cost_usd=0.004, latency=LatencyModel(median_ms=300, sigma=0.4)),
+        DenseConfig(name="bio-dense", collections=("med", "scifact"), cost_usd=0.002,
+                    latency=LatencyModel(median_ms=150, sigma=0.3)),
+        BM25Config(name="lib-bm25", collections=("cisi", "lisa", "adi"), cost_usd=0.0005,
+                   latency=LatencyModel(median_ms=60, sigma=0.2)),
+        BM25Config(name="eng-bm25", collections=("cranfield", "npl"), cost_usd=0.0005,
+                   latency=LatencyModel(median_ms=60, sigma=0.2)),
+    ]
+
+
+_PROVIDERS = TypeAdapter(list[ProviderConfig])
+
+
+class GatewaySettings(ServiceSettings):
+    """``FANROUTE_`` env vars, e.g. ``FANROUTE_PORT=8000`` or ``FANROUTE_PROVIDERS_FILE=p.toml``."""
+
+    host: str = Field(default="127.0.0.1", description="Listen address")
+    port: int = Field(default=8000, ge=0, le=65535, description="Listen port (0 = any free port)")
+    providers: list[ProviderConfig] = Field(default_factory=default_providers, min_length=1,
+                                            description="Providers to fan out to")
+    providers_file: Path | None = Field(default=None,
+                                        description="TOML/JSON file with a [[providers]] list; overrides")
+    collections_dir: Path | None = Field(default=None, description="Test collections root")
+    cache_dir: Path | None = Field(default=None, description="Index cache root")
+    deadline_s: float = Field(default=10.0, gt=0, le=300, description="Overall fan-out deadline")
+    contested_threshold: float = Field(default=0.2, ge=0, le=1,
+                                       description="Mean citation overlap below this is contested")
+    max_query_chars: int = Field(default=2048, ge=1, le=4096, description="Longest accepted query")
+    max_body_bytes: int = Field(default=65_536, ge=1024, le=10_000_000, description="Largest request body")
+    fused_limit: int = Field(default=10, ge=1, le=100, description="Results in the fused list")
+    rrf_k: int = Field(default=60, ge=1, le=1000, description="Reciprocal-rank fusion constant")
+
+    @model_validator(mode="after")
+    def _load_file_and_check(self) -> GatewaySettings:
+        if self.providers_file is not None:
+            object.__setattr__(self, "providers", load_providers_file(self.providers_file))
+        names = [p.name for p in self.providers]
+        if len(names) != len(set(names)):
+            raise ValueError(f"provider names must be unique, got {names}")
+        if not any(p.enabled for p in self.providers):
+            raise ValueError("at least one provider must be enabled")
+        return self
+
+
+def load_providers_file(path: Path) -> list[ProviderConfig]:
+    """Read ``providers`` from a TOML or JSON file; errors name the file and the field."""
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return _PROVIDERS.validate_python(data["providers"] if isinstance(data, dict) else data)
+    except (OSError, KeyError, ValueError, ValidationError) as exc:
+        raise ConfigError(f"{path}: cannot read providers: {exc}") from exc
