@@ -156,7 +156,7 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
     @app.post("/v1/search", response_model=SearchResponse,
               responses={413: {"description": "Body or query too large"},
                          422: {"description": "Invalid request, with the reason"}})
-    async def search(req: SearchRequest, response: Response) -> Any:
+    async def search(req: SearchRequest) -> Any:
         query = " ".join(req.query.split())
         if not query:
             gw.metrics.rejected.labels("empty_query").inc()
@@ -166,8 +166,9 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
             return _error(413, "query_too_long",
                           f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
         result, published = await gw.search(req, query)
-        response.headers[TRACE_HEADER] = "published" if published else "unpublished"
-        return result
+        # Serialised once here: the response model is for the docs, not re-validated per request.
+        return Response(result.model_dump_json(), media_type="application/json",
+                        headers={TRACE_HEADER: "published" if published else "unpublished"})
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

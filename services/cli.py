@@ -1,0 +1,91 @@
+"""The ``fanroute`` command: one entry point, one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fanroute", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    sub.add_parser("gateway", help="serve the fan-out gateway (same as python -m services.gateway)")
+
+    d = sub.add_parser("demo", help="the main job on the embedded default: stack, gateway, replay, report")
+    d.add_argument("--queries", type=int, default=80, help="how many development queries to replay")
+    d.add_argument("--rate", type=float, default=10.0, help="requests per second")
+    d.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    d.add_argument("--seed", type=int, default=0, help="query sampling seed")
+    d.add_argument("--out", type=Path, default=None, help="report directory (default out/demo)")
+    d.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running after")
+
+    r = sub.add_parser("replay", help="send the collections' queries through a running gateway")
+    r.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    r.add_argument("--collections", default="all", help="comma-separated names, or 'all'")
+    r.add_argument("--limit", type=int, default=None, help="at most this many queries")
+    r.add_argument("--rate", type=float, default=5.0, help="requests per second (open loop)")
+    r.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    r.add_argument("--seed", type=int, default=0, help="query order seed")
+    r.add_argument("--json-out", type=Path, default=None, help="also write the summary as JSON")
+
+    t = sub.add_parser("traces", help="print traces from the Kafka topic, one line each")
+    t.add_argument("--limit", type=int, default=None, help="stop after this many")
+    t.add_argument("--idle", type=float, default=5.0, help="stop after this many quiet seconds")
+
+    s = sub.add_parser("stack", help="the local Kafka + Redis stack (no Docker)")
+    s.add_argument("action", choices=["up", "down", "status", "prepare"])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from services.common.logging import setup_logging
+
+    if args.cmd == "gateway":
+        from services.gateway.__main__ import main as gateway_main
+
+        gateway_main()
+        return 0
+    setup_logging("WARNING")
+    if args.cmd == "stack":
+        from services.common import stack
+
+        return stack.main([args.action])
+    if args.cmd == "traces":
+        from services.common.settings import ServiceSettings
+        from services.tools.traces import run_tail
+
+        run_tail(ServiceSettings().kafka, args.limit, args.idle)
+        return 0
+    if args.cmd == "replay":
+        return _replay(args)
+    from services.tools.demo import DemoOptions, run_demo
+
+    opts = DemoOptions(queries=args.queries, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
+                       keep_stack=args.keep_stack, **({"out_dir": args.out} if args.out else {}))
+    return asyncio.run(run_demo(opts))
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from services.common.errors import FanrouteError
+    from services.gateway.providers.config import ALL_COLLECTIONS
+    from services.tools.replay import replay, sample_queries, write_summary
+
+    names = ALL_COLLECTIONS if args.collections == "all" else tuple(args.collections.split(","))
+    try:
+        queries = sample_queries(names, limit=args.limit, seed=args.seed)
+        summary = asyncio.run(replay(args.url, queries, rate=args.rate, concurrency=args.concurrency))
+    except FanrouteError as exc:
+        print(f"fanroute replay: {exc}", file=sys.stderr)
+        return 2
+    print(summary.render())
+    if args.json_out:
+        write_summary(summary, args.json_out)
+    return 0 if not summary.errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

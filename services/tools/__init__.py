@@ -1,0 +1,1 @@
+"""Operator tools behind the ``fanroute`` CLI (traffic replay, trace tailing)."""
