@@ -79,12 +79,16 @@ class Gateway:
         await asyncio.gather(*(p.close() for p in self.providers), return_exceptions=True)
         await self.bus.stop()
 
-    async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, bool]:
-        """Fan out, build and publish the trace; returns the response and whether Kafka acked."""
+    async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, bool, float]:
+        """Fan out, build and publish the trace.
+
+        Returns the response, whether Kafka acked the trace, and the fan-out's wall time in ms.
+        """
         t0 = time.perf_counter()
         received = datetime.now(UTC)
         trace_id = content_id("trace", req.request_id) if req.request_id else uuid.uuid4().hex
         candidates = await fan_out(self.providers, query, deadline_s=self.settings.deadline_s)
+        fanout_ms = (time.perf_counter() - t0) * 1000.0
         signals = compute_signals(candidates, self.settings.contested_threshold)
         trace = Trace(trace_id=trace_id, received_at=received, query=query, query_id=req.query_id,
                       mode="fanout", candidates=tuple(candidates), signals=signals)
@@ -93,7 +97,7 @@ class Gateway:
         fused = rrf(candidates, k=self.settings.rrf_k, limit=self.settings.fused_limit)
         return SearchResponse(trace_id=trace_id, mode="fanout", query=query, candidates=candidates,
                               fused=fused, signals=signals, trace_published=published,
-                              trace_error=error), published
+                              trace_error=error), published, fanout_ms
 
     async def _publish(self, trace: Trace) -> tuple[bool, str | None]:
         try:
@@ -165,10 +169,17 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
             gw.metrics.rejected.labels("query_too_long").inc()
             return _error(413, "query_too_long",
                           f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
-        result, published = await gw.search(req, query)
+        t0 = time.perf_counter()
+        result, published, fanout_ms = await gw.search(req, query)
         # Serialised once here: the response model is for the docs, not re-validated per request.
-        return Response(result.model_dump_json(), media_type="application/json",
-                        headers={TRACE_HEADER: "published" if published else "unpublished"})
+        body = result.model_dump_json()
+        total_ms = (time.perf_counter() - t0) * 1000.0
+        slowest = max((c.latency_ms for c in result.candidates), default=0.0)
+        timing = (f"fanout;dur={fanout_ms:.3f}, slowest-provider;dur={slowest:.3f}, "
+                  f"gateway;dur={total_ms - slowest:.3f}")
+        return Response(body, media_type="application/json",
+                        headers={TRACE_HEADER: "published" if published else "unpublished",
+                                 "Server-Timing": timing})
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

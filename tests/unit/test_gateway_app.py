@@ -55,6 +55,8 @@ async def test_search_answers_with_every_candidate_and_publishes_trace(gw_client
     body = r.json()
     assert r.headers["X-Fanroute-Trace"] == "published" and body["trace_published"] is True
     assert body["query"] == "what is a cell"
+    timing = dict(part.strip().split(";dur=") for part in r.headers["Server-Timing"].split(","))
+    assert set(timing) == {"fanout", "slowest-provider", "gateway"} and float(timing["gateway"]) >= 0
     assert [c["provider"] for c in body["candidates"]] == ["a", "b", "c"]
     assert body["candidates"][2]["error"].endswith("upstream exploded")
     assert body["fused"][0]["url"] == "u2" and body["fused"][0]["providers"] == {"a": 2, "b": 1}
