@@ -17,26 +17,25 @@ async def read_traces(settings: KafkaSettings, *, limit: int | None = None, idle
 
     Reads without a consumer group, so it never moves any service's committed offsets.
     """
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import AIOKafkaConsumer
 
     name = f"{settings.topic_namespace}{topic('traces').name}"
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=None,
+    # Subscribing without a group assigns every partition of the topic once metadata is in.
+    consumer = AIOKafkaConsumer(name, bootstrap_servers=settings.bootstrap_servers, group_id=None,
                                 enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()
     seen = 0
     try:
-        await consumer.topics()
-        tps = [TopicPartition(name, p) for p in sorted(consumer.partitions_for_topic(name) or ())]
+        tps = sorted(consumer.assignment())
         if not tps:
             return
-        consumer.assign(tps)
         if since is not None:
+            # End offsets first: a record appended after this read is at or past them, so it is
+            # never skipped when no record at or after ``since`` exists yet.
+            ends = await consumer.end_offsets(tps)
             found = await consumer.offsets_for_times({tp: int(since.timestamp() * 1000) for tp in tps})
             for tp in tps:
-                if found.get(tp) is None:
-                    await consumer.seek_to_end(tp)
-                else:
-                    consumer.seek(tp, found[tp].offset)
+                consumer.seek(tp, ends[tp] if found.get(tp) is None else found[tp].offset)
         while limit is None or seen < limit:
             batch = await consumer.getmany(timeout_ms=int(idle_s * 1000))
             if not batch:

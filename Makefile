@@ -1,0 +1,27 @@
+# Quick start: `make demo` (the whole loop on bundled data) and `make test` (the test suite).
+# Both bootstrap first; bootstrap is idempotent and takes about a second once done.
+PYTHON ?= python
+PYTEST_ARGS ?=
+STACK := $(PYTHON) -m services.common.stack
+
+.PHONY: bootstrap test demo stack-up stack-down stack-status
+
+bootstrap:
+	PYTHON=$(PYTHON) bash scripts/bootstrap.sh
+
+# The test session starts (and stops) its own Kafka and Redis when a test needs them.
+test: bootstrap
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+demo: bootstrap
+	$(PYTHON) -m services.cli demo
+
+# A long-lived local stack in .stack/ (eval "$$(python -m services.common.stack up)" exports its endpoints).
+stack-up: bootstrap
+	$(STACK) up
+
+stack-down:
+	$(STACK) down
+
+stack-status:
+	$(STACK) status
