@@ -43,7 +43,7 @@ class GatewaySettings(ServiceSettings):
     collections_dir: Path | None = Field(default=None, description="Test collections root")
     cache_dir: Path | None = Field(default=None, description="Index cache root")
     deadline_s: float = Field(default=10.0, gt=0, le=300, description="Overall fan-out deadline")
-    contested_threshold: float = Field(default=0.2, ge=0, le=1,
+    contested_threshold: float = Field(default=0.1, ge=0, le=1,
                                        description="Mean citation overlap below this is contested")
     max_query_chars: int = Field(default=2048, ge=1, le=4096, description="Longest accepted query")
     max_body_bytes: int = Field(default=65_536, ge=1024, le=10_000_000, description="Largest request body")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 from tqdm import tqdm
 
 from schemas.trace import Trace
@@ -108,6 +109,11 @@ async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> int:
     except TimeoutError:
         print(f"      only {len(traces)} of {len(queries)} traces arrived within 60 s")
     print("[4/5] replay summary\n" + summary.render(), flush=True)
+    if traces:
+        ov = np.percentile([t.signals.mean_overlap for t in traces], [10, 50, 90])
+        n_contested = sum(t.signals.contested for t in traces)
+        print(f"      mean citation overlap p10/p50/p90 = {ov[0]:.2f}/{ov[1]:.2f}/{ov[2]:.2f}; "
+              f"contested (below {traces[0].signals.contested_threshold:g}): {n_contested}/{len(traces)}")
     rows = score_traces(traces, default_collections_dir())
     print(f"[5/5] {len(traces)} traces read back from Kafka\n" + render(rows, len(traces)), flush=True)
     jpath, ppath = write_report(rows, opts.out_dir)

@@ -18,6 +18,7 @@ from schemas.trace import Trace
 from services.common.ir import ndcg_at_k
 from services.gateway.fusion import rrf
 from services.gateway.providers.collections import load_qrels, parse_doc_url
+from services.gateway.providers.config import ALL_COLLECTIONS
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,17 @@ class PolicyRow:
     error_rate: float
 
 
-def _doc_ids(urls: list[str]) -> list[str]:
-    return [parse_doc_url(u).doc_id for u in urls if u.startswith("collection://")]
+def _doc_ids(urls: list[str], collection: str) -> list[str]:
+    """Ranked ids for scoring against ``collection``'s qrels.
+
+    A result from another collection (or the web) keeps its rank but can never match a judged
+    id: doc ids are only unique within a collection.
+    """
+    out = []
+    for u in urls:
+        ref = parse_doc_url(u) if u.startswith("collection://") else None
+        out.append(ref.doc_id if ref is not None and ref.collection == collection else f"\0{u}")
+    return out
 
 
 def score_traces(traces: list[Trace], collections_dir: Path) -> list[PolicyRow]:
@@ -45,6 +55,8 @@ def score_traces(traces: list[Trace], collections_dir: Path) -> list[PolicyRow]:
         if not t.query_id or "/" not in t.query_id:
             continue
         coll, qid = t.query_id.split("/", 1)
+        if coll not in ALL_COLLECTIONS:
+            continue
         if coll not in qrels_cache:
             qrels_cache[coll] = load_qrels(collections_dir, coll)
         judged = qrels_cache[coll].get(qid)
@@ -52,11 +64,11 @@ def score_traces(traces: list[Trace], collections_dir: Path) -> list[PolicyRow]:
             continue
         scores = []
         for c in t.candidates:
-            s = ndcg_at_k(_doc_ids([x.url for x in c.citations]), judged) if c.ok else 0.0
+            s = ndcg_at_k(_doc_ids([x.url for x in c.citations], coll), judged) if c.ok else 0.0
             per_provider[c.provider].append((s, c.latency_ms, c.cost_usd, not c.ok))
             scores.append(s)
         oracle.append(max(scores))
-        fused.append(ndcg_at_k(_doc_ids([f.url for f in rrf(t.candidates)]), judged))
+        fused.append(ndcg_at_k(_doc_ids([f.url for f in rrf(t.candidates)], coll), judged))
         fan_lat.append(max(c.latency_ms for c in t.candidates))
         fan_cost.append(sum(c.cost_usd for c in t.candidates))
     rows = [PolicyRow(p, *_agg(v)) for p, v in sorted(per_provider.items())]
