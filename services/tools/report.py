@@ -113,9 +113,12 @@ def write_report(rows: list[PolicyRow], out_dir: Path) -> tuple[Path, Path]:
     jpath.write_text(json.dumps([r.__dict__ for r in rows], indent=2, default=float) + "\n")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
+        if r.policy.startswith("best single"):
+            continue  # the same point as that provider's own row
         if np.isnan(r.cost_per_query_usd):
             ax.axhline(r.ndcg10, ls="--", c="grey", lw=1)
-            ax.annotate(r.policy, (0, r.ndcg10), xytext=(4, 3), textcoords="offset points", fontsize=8)
+            ax.annotate(r.policy, (0.01, r.ndcg10), xycoords=("axes fraction", "data"), xytext=(0, 3),
+                        textcoords="offset points", fontsize=8, color="grey")
             continue
         ax.scatter(r.cost_per_query_usd, r.ndcg10, s=40)
         ax.annotate(r.policy, (r.cost_per_query_usd, r.ndcg10), xytext=(4, 3),
