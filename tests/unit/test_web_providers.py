@@ -230,9 +230,9 @@ async def test_serpapi_error_body_at_http_200_without_metadata_is_an_error(fake:
     assert type(error) is ProviderError and "Invalid API key." in error.message
 
 
-async def test_serpapi_key_stays_out_of_httpx_logs(fake: FakeApis,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="httpx"):
+async def test_serpapi_key_stays_out_of_request_logs(fake: FakeApis,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="services.gateway.providers.web"):
         await ask(APIS["serpapi"], fake, Reply(200, APIS["serpapi"].ok()))
 
     assert "HTTP Request: GET" in caplog.text and "api_key=***" in caplog.text
@@ -352,7 +352,7 @@ async def test_connect_error_is_retried_then_a_provider_error(fake: FakeApis) ->
             await provider.search(QUERY)
 
     assert type(info.value) is ProviderError and "cannot connect" in info.value.message
-    assert info.value.__cause__ is None  # nothing from httpx (which knows the URL) is chained
+    assert info.value.__cause__ is None  # nothing from aiohttp (which knows the URL) is chained
 
 
 async def test_cancellation_propagates(fake: FakeApis) -> None:

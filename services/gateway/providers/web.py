@@ -1,9 +1,13 @@
 """Real web-search API providers over HTTP: SearXNG, Brave, Tavily, Exa and SerpAPI.
 
-All five share :class:`_HttpProvider`: one ``httpx.AsyncClient`` opened in ``start()``, one retry
+All five share :class:`_HttpProvider`: one ``aiohttp.ClientSession`` opened in ``start()``, one retry
 loop held inside the ``timeout_s`` budget, and one mapping from HTTP failures to the typed
 ``ProviderError`` family. A subclass only says how to build its API's request and how to read its
 API's answer and error bodies, as each vendor documents them.
+
+aiohttp rather than httpx: on the gateway's hot path httpx cost ~3x the CPU per call (its pool
+slows down badly with many requests in flight, and it re-parses URLs per request); measured
+with bench/gateway_overhead.py.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import abc
 import asyncio
 import email.utils
 import itertools
+import json
 import logging
 import math
 import re
@@ -20,8 +25,10 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar, Union
 from urllib.parse import quote, quote_plus
 
-import httpx
+import aiohttp
+from multidict import CIMultiDictProxy
 from pydantic import ValidationError
+from yarl import URL
 
 from schemas.trace import Citation
 from services.common.errors import (
@@ -91,8 +98,30 @@ class _Retry(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class _Reply:
+    """One HTTP answer, read in full."""
+
+    status: int
+    reason: str
+    headers: CIMultiDictProxy[str] | dict[str, str]
+    content: bytes
+
+    @property
+    def ok(self) -> bool:
+        return 200 <= self.status < 300
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        """The body as JSON; ``ValueError`` when it is not."""
+        return json.loads(self.content)
+
+
 class _RedactSecrets(logging.Filter):
-    """Blanks registered API keys out of httpx's log lines (SerpAPI carries its key in the URL)."""
+    """Blanks registered API keys out of log lines (SerpAPI carries its key in the URL)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -108,7 +137,7 @@ class _RedactSecrets(logging.Filter):
 
 
 _REDACTOR = _RedactSecrets()
-logging.getLogger("httpx").addFilter(_REDACTOR)
+log.addFilter(_REDACTOR)
 
 
 class _HttpProvider(Provider):
@@ -122,7 +151,8 @@ class _HttpProvider(Provider):
     def __init__(self, config: WebConfig) -> None:
         super().__init__(config.name, cost_usd=config.cost_usd, timeout_s=config.timeout_s, k=config.k)
         self.config = config
-        self._client: httpx.AsyncClient | None = None
+        self._client: aiohttp.ClientSession | None = None
+        self._base = ""
 
     # ---- what a subclass says about its API -------------------------------------------------
 
@@ -173,22 +203,24 @@ class _HttpProvider(Provider):
         if self.needs_key and key is None:
             raise ConfigError(f"provider {self.name!r} ({self.config.type}) needs an api_key")
         try:
-            base = httpx.URL(self.config.base_url)
-        except httpx.InvalidURL as exc:
+            base = URL(self.config.base_url)
+        except (ValueError, TypeError) as exc:
             raise ConfigError(f"provider {self.name!r}: bad base_url: {exc}") from None
         if base.scheme not in ("http", "https") or not base.host:
             raise ConfigError(f"provider {self.name!r}: base_url must be an http(s) URL")
         if key:
             _REDACTOR.secrets.add(key)
         headers = {"Accept": "application/json", **self._auth_headers(key)}
-        self._client = httpx.AsyncClient(base_url=base, headers=headers, timeout=self.timeout_s,
-                                         transport=_transport())
+        self._base = str(base).rstrip("/")
+        self._client = aiohttp.ClientSession(
+            headers=headers, connector=aiohttp.TCPConnector(limit=256, limit_per_host=256),
+            timeout=aiohttp.ClientTimeout(total=self.timeout_s), raise_for_status=False)
 
     async def close(self) -> None:
         """Close the HTTP client (safe to call twice)."""
         client, self._client = self._client, None
         if client is not None:
-            await client.aclose()
+            await client.close()
 
     # ---- one query --------------------------------------------------------------------------
 
@@ -216,7 +248,7 @@ class _HttpProvider(Provider):
         except TimeoutError:
             raise ProviderTimeout(self.name, f"no answer within {self.timeout_s:g}s") from None
 
-    async def _with_retries(self, client: httpx.AsyncClient, request: ApiRequest,
+    async def _with_retries(self, client: aiohttp.ClientSession, request: ApiRequest,
                             deadline: float) -> tuple[dict[str, Any], int]:
         """Retry 429/5xx/connect failures with backoff (or Retry-After) while the budget allows."""
         loop = asyncio.get_running_loop()
@@ -233,48 +265,49 @@ class _HttpProvider(Provider):
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _attempt(self, client: httpx.AsyncClient, request: ApiRequest,
+    async def _attempt(self, client: aiohttp.ClientSession, request: ApiRequest,
                        budget_s: float) -> dict[str, Any]:
         """One HTTP exchange: the JSON object of a 2xx answer, else a typed error (or ``_Retry``)."""
         try:
-            response = await client.request(request.method, request.path,
-                                            params=request.params or None, json=request.json,
-                                            timeout=max(budget_s, 1e-3))
-        except httpx.TimeoutException as exc:
-            if _refused(exc):
-                raise _Retry(ProviderError(self.name, f"cannot connect: {self._clean(str(exc))}")) from None
+            async with client.request(request.method, self._base + request.path,
+                                      params=request.params or None, json=request.json,
+                                      timeout=aiohttp.ClientTimeout(total=max(budget_s, 1e-3))) as r:
+                response = _Reply(r.status, r.reason or "", r.headers, await r.read())
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("HTTP Request: %s %s -> %d", request.method, _masked(r.url), r.status)
+        except TimeoutError as exc:  # aiohttp's ServerTimeoutError is one too
             raise ProviderTimeout(
                 self.name, f"{type(exc).__name__} within the {self.timeout_s:g}s budget") from None
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:
             raise _Retry(ProviderError(self.name, f"cannot connect: {self._clean(str(exc))}")) from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise ProviderError(self.name, f"{type(exc).__name__}: {self._clean(str(exc))}") from None
-        if response.is_success:
+        if response.ok:
             return self._decode(response)
         error = self._http_error(response)
-        if response.status_code == 429 or response.status_code >= 500:
+        if response.status == 429 or response.status >= 500:
             raise _Retry(error, _retry_after_s(response.headers.get("retry-after")))
         raise error
 
-    def _decode(self, response: httpx.Response) -> dict[str, Any]:
+    def _decode(self, response: _Reply) -> dict[str, Any]:
         """The body of a 2xx answer as a JSON object; anything else is a bad response."""
         try:
             body = response.json()
         except ValueError:
             kind = response.headers.get("content-type", "no content-type")
             raise ProviderBadResponse(
-                self.name, f"HTTP {response.status_code} body is not JSON ({kind}, "
+                self.name, f"HTTP {response.status} body is not JSON ({kind}, "
                            f"{len(response.content)} bytes)") from None
         if not isinstance(body, dict):
             raise ProviderBadResponse(self.name, f"expected a JSON object, got {type(body).__name__}")
         return body
 
-    def _http_error(self, response: httpx.Response) -> ProviderHTTPError:
+    def _http_error(self, response: _Reply) -> ProviderHTTPError:
         """The typed error for a non-2xx answer, with a short reason from its body."""
         body = _json_or_none(response)
         reason = self._clean(self._error_reason(body) or "") if body is not None else ""
-        reason = reason or self._clean(_TAG.sub(" ", response.text)) or response.reason_phrase
-        status = response.status_code
+        reason = reason or self._clean(_TAG.sub(" ", response.text)) or response.reason
+        status = response.status
         return self._error_class(status, body)(self.name, status, reason or "no reason given")
 
     def _clean(self, text: str) -> str:
@@ -509,7 +542,7 @@ def _brave_error(body: Any) -> dict[str, Any] | None:
     return None
 
 
-def _json_or_none(response: httpx.Response) -> Any:
+def _json_or_none(response: _Reply) -> Any:
     """The body as JSON, or None when it is not JSON."""
     try:
         return response.json()
@@ -542,21 +575,8 @@ def _redact(text: str, secrets: set[str]) -> str:
     return text
 
 
-def _transport() -> httpx.AsyncBaseTransport:
-    """httpx's API over aiohttp's connection pool.
-
-    httpx's own pool slows down badly with many requests in flight (measured here: 39 fan-outs/s
-    at 100 concurrent vs 477 with this transport, bench/gateway_overhead.py's set-up).
-    """
-    from httpx_aiohttp import AiohttpTransport
-
-    return AiohttpTransport(limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
-
-
-def _refused(exc: httpx.TimeoutException) -> bool:
-    """httpx-aiohttp maps a refused connection to ConnectTimeout; tell the two apart again."""
-    import aiohttp
-
-    cause = exc.__cause__
-    return isinstance(cause, aiohttp.ClientConnectorError) and not isinstance(cause, aiohttp.ServerTimeoutError)
+def _masked(url: URL) -> str:
+    """The URL with the value of every query parameter that holds a registered key masked."""
+    secrets = _REDACTOR.secrets
+    return str(url.with_query([(k, "***" if v in secrets else v) for k, v in url.query.items()]))
 
