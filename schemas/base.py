@@ -56,11 +56,11 @@ def decode(cls: type[M], raw: bytes | str | dict[str, Any]) -> M:
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
-        raise SchemaError(f"{cls.__name__}: {_summarise(exc)}") from exc
+        raise SchemaError(f"{cls.__name__}: {summarise(exc)}") from exc
 
 
-def _summarise(exc: ValidationError, limit: int = 5) -> str:
-    """One line per field error, at most ``limit`` of them."""
+def summarise(exc: ValidationError, limit: int = 5) -> str:
+    """Field errors on one line (``path: message; ...``), at most ``limit`` of them."""
     errs = exc.errors()
     lines = [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in errs[:limit]]
     more = f" (+{len(errs) - limit} more)" if len(errs) > limit else ""

@@ -47,8 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "gateway":
         from services.gateway.__main__ import main as gateway_main
 
-        gateway_main()
-        return 0
+        return gateway_main()
     setup_logging("WARNING")
     if args.cmd == "stack":
         from services.common import stack

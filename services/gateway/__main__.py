@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 from services.common.logging import setup_logging
 from services.gateway.settings import GatewaySettings
@@ -19,11 +20,21 @@ async def run(settings: GatewaySettings) -> None:
     await uvicorn.Server(config).serve()
 
 
-def main() -> None:
-    settings = GatewaySettings()
+def main() -> int:
+    """Parse settings (a bad one is a clear message and exit 2), then serve."""
+    from pydantic import ValidationError
+
+    from services.common.errors import ConfigError
+
+    try:
+        settings = GatewaySettings()
+    except (ValidationError, ConfigError) as exc:
+        print(f"fanroute gateway: invalid settings: {exc}", file=sys.stderr)
+        return 2
     setup_logging(settings.log_level)
     asyncio.run(run(settings))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
+from schemas.base import summarise
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings
 from services.gateway.providers.config import BM25Config, DenseConfig, LatencyModel, ProviderConfig
@@ -67,6 +68,10 @@ def load_providers_file(path: Path) -> list[ProviderConfig]:
     try:
         text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        return _PROVIDERS.validate_python(data["providers"] if isinstance(data, dict) else data)
-    except (OSError, KeyError, ValueError, ValidationError) as exc:
+        entries = data["providers"] if isinstance(data, dict) else data
+    except (OSError, KeyError, ValueError) as exc:  # TOML/JSON errors name the line and column
         raise ConfigError(f"{path}: cannot read providers: {exc}") from exc
+    try:
+        return _PROVIDERS.validate_python(entries)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid providers: {summarise(exc)} (paths are providers[i].field)") from exc

@@ -1,0 +1,101 @@
+"""The CLI and the gateway's entry point: bad input is a clear message and a non-zero exit."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from services.cli import main
+from services.common.errors import ConfigError
+from services.common.settings import KafkaSettings
+from services.gateway.app import build_gateway, create_app
+from services.gateway.providers.collections import default_collections_dir, load_qrels, load_queries
+from services.gateway.providers.config import BM25Config
+from services.gateway.settings import GatewaySettings, load_providers_file
+from services.tools.replay import replay, sample_queries
+from tests.fakes import StaticProvider
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_replay_unknown_collection_is_a_clear_error(capsys):
+    assert main(["replay", "--collections", "med,nope", "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "cranfield" in err  # names the bad one and the known ones
+
+
+def test_replay_bad_rate_is_a_clear_error(capsys):
+    assert main(["replay", "--collections", "adi", "--limit", "1", "--rate", "0"]) == 2
+    assert "rate must be > 0" in capsys.readouterr().err
+
+
+def test_unknown_subcommand_exits_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+
+
+def test_providers_file_errors_name_the_file_and_the_line(tmp_path):
+    bad_toml = tmp_path / "p.toml"
+    bad_toml.write_text('[[providers]]\ntype = "bm25"\nname = "x"\ncost_usd = = 1\n')
+    with pytest.raises(ConfigError, match=r"p\.toml.*line 4"):
+        load_providers_file(bad_toml)
+    bad_type = tmp_path / "q.toml"
+    bad_type.write_text('[[providers]]\ntype = "altavista"\nname = "x"\n')
+    with pytest.raises(ConfigError, match=r"q\.toml.*altavista"):
+        load_providers_file(bad_type)
+    ok = tmp_path / "ok.json"
+    ok.write_text('{"providers": [{"type": "bm25", "name": "a", "collections": ["adi"]}]}')
+    assert [p.name for p in load_providers_file(ok)] == ["a"]
+
+
+def test_gateway_entry_point_refuses_bad_settings(tmp_path):
+    bad = tmp_path / "p.toml"
+    bad.write_text('[[providers]]\ntype = "bm25"\nname = "Has Spaces"\n')
+    proc = subprocess.run([sys.executable, "-m", "services.gateway"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={"FANROUTE_PROVIDERS_FILE": str(bad), "PATH": "/usr/bin"})
+    assert proc.returncode == 2
+    assert "invalid settings" in proc.stderr and "p.toml" in proc.stderr
+
+
+def test_duplicate_provider_names_are_refused():
+    with pytest.raises(ValueError, match="unique"):
+        GatewaySettings(providers=[BM25Config(name="a"), BM25Config(name="a")])
+
+
+def test_sample_queries_only_judged_and_deterministic():
+    a = sample_queries(("cisi",), limit=500, seed=1)
+    judged = load_qrels(default_collections_dir(), "cisi")
+    assert len(a) == len(judged) < len(load_queries(default_collections_dir(), "cisi"))
+    assert a == sample_queries(("cisi",), limit=500, seed=1) != sample_queries(("cisi",), limit=500, seed=2)
+    assert all(q.query_id.startswith("cisi/") for q in a)
+
+
+async def test_replay_against_a_running_gateway():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    settings = GatewaySettings(kafka=KafkaSettings(bootstrap_servers="memory://"), port=port,
+                               providers=[BM25Config(name="unused")])
+    gw = build_gateway(settings, providers=[StaticProvider("a", ("u1",)), StaticProvider("b", ("u2",))])
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, gateway=gw), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:
+                await asyncio.sleep(0.02)
+        queries = sample_queries(("adi",), limit=6)
+        summary = await replay(f"http://127.0.0.1:{port}", queries, rate=200, concurrency=3, progress=False)
+    finally:
+        server.should_exit = True
+        await serving
+    assert (summary.requests, summary.ok, summary.errors, summary.traces_unpublished) == (6, 6, {}, 0)
+    assert summary.contested == 6  # disjoint citations: overlap 0
+    assert sorted(c for p in gw.providers for c in p.calls) == sorted(2 * [q.text for q in queries])
