@@ -559,13 +559,8 @@ def _start_kafka(state_dir: Path, port_req: int | None, libs: Path, prev: dict[s
     (state_dir / "kafka.pid").write_text(f"{proc.pid}\n")
     marker = str(props_path)
     bootstrap = f"127.0.0.1:{port}"
-    try:
-        waited = wait_kafka_ready(bootstrap, timeout_s, alive=lambda: proc.poll() is None,
-                                  logs=(broker_log, out_log))
-    except BaseException:
-        _stop_child(proc, "kafka", timeout=10.0)
-        (state_dir / "kafka.pid").unlink(missing_ok=True)
-        raise
+    waited = _ready_or_stopped(proc, "kafka", state_dir, 10.0, lambda alive: wait_kafka_ready(
+        bootstrap, timeout_s, alive=alive, logs=(broker_log, out_log)))
     _say(f"kafka ready at {bootstrap} in {waited:.1f} s")
     return {"pid": proc.pid, "port": port, "controller_port": cport, "cluster_id": cluster_id,
             "bootstrap_servers": bootstrap, "marker": marker, "libs": str(libs),
@@ -624,16 +619,22 @@ def _start_redis(state_dir: Path, port_req: int | None, prev: dict[str, Any], ta
     (state_dir / "redis.pid").write_text(f"{proc.pid}\n")
     url = f"redis://127.0.0.1:{port}/0"
     marker = "redis-server"
-    try:
-        waited = wait_redis_ready(url, timeout_s, alive=lambda: proc.poll() is None,
-                                  logs=(log, out_log))
-    except BaseException:
-        _stop_child(proc, "redis", timeout=5.0)
-        (state_dir / "redis.pid").unlink(missing_ok=True)
-        raise
+    waited = _ready_or_stopped(proc, "redis", state_dir, 5.0, lambda alive: wait_redis_ready(
+        url, timeout_s, alive=alive, logs=(log, out_log)))
     _say(f"redis ready at {url} in {waited:.1f} s")
     return {"pid": proc.pid, "port": port, "url": url, "marker": marker, "log": str(log),
             "ready_s": round(waited, 2)}
+
+
+def _ready_or_stopped(proc: subprocess.Popen, name: str, state_dir: Path, stop_timeout_s: float,
+                      wait: Callable[[Callable[[], bool]], float]) -> float:
+    """Wait until a just-started child answers; if it never does, stop it and drop its pid file."""
+    try:
+        return wait(lambda: proc.poll() is None)
+    except BaseException:
+        _stop_child(proc, name, timeout=stop_timeout_s)
+        (state_dir / f"{name}.pid").unlink(missing_ok=True)
+        raise
 
 
 # --------------------------------------------------------------------------- public API
