@@ -18,8 +18,11 @@ class CandidateGrade(Message):
 
     schema_version: Literal[1] = 1
     provider: str = Field(min_length=1, max_length=128)
-    letter: str = Field(min_length=1, max_length=2, description="Blind label the judge saw (A, B, ...)")
+    letter: str | None = Field(default=None, min_length=1, max_length=2,
+                               description="Blind label the judge saw (A, B, ...); None if not shown")
     grade: int = Field(ge=0, le=3)
+    judged: bool = Field(default=True, description="False: graded 0 by rule (the provider failed, "
+                                                   "so there was nothing to show the judge)")
 
 
 class Verdict(Message):
@@ -29,7 +32,10 @@ class Verdict(Message):
     verdict_id: str = Field(min_length=1, description="Derived from (trace_id, judge_model, rubric_hash)")
     trace_id: str = Field(min_length=1)
     judged_at: datetime
+    judge_kind: str = Field(min_length=1, description="local, openai, anthropic, ...")
     judge_model: str = Field(min_length=1)
+    judge_endpoint: str | None = None
+    rubric_version: str = Field(min_length=1)
     rubric_hash: str = Field(min_length=1)
     status: Literal["ok", "failed"]
     failure_reason: str | None = None
@@ -38,3 +44,6 @@ class Verdict(Message):
     ordering: tuple[tuple[str, ...], ...] = Field(
         default=(), description="Tiers of provider names, best first; names in one tier are tied"
     )
+    letters: dict[str, str] = Field(default_factory=dict,
+                                    description="Audit trail: blind letter -> provider name")
+    shuffle_seed: str = Field(default="", description="What the letter shuffle was derived from")

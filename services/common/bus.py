@@ -2,8 +2,9 @@
 
 Publishing uses acks=all and the idempotent producer. A consumed record that does not parse as
 its topic's model goes, untouched, to ``<topic>.dlq`` with the reason in its headers, and the
-consumer moves on. A handler that keeps failing after its retries is dead-lettered the same way.
-If the dead-letter publish itself fails the record is not committed, so it is redelivered.
+consumer moves on. A handler that keeps failing after its retries is dead-lettered the same way,
+unless what failed is Kafka itself (BusError): then, like a failed dead-letter publish, the record
+is not committed and is redelivered.
 ``bootstrap_servers="memory://"`` runs the same code on FastStream's in-memory broker.
 """
 
@@ -130,6 +131,8 @@ class Bus:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    if attempt == max_attempts and isinstance(exc, BusError):
+                        raise  # infrastructure, not this record: leave it uncommitted (redelivered)
                     if attempt == max_attempts:
                         log.exception("handler failed %d times on %s; dead-lettering", attempt, spec.name)
                         await bus.dead_letter(spec, record, group_id, exc)

@@ -1,0 +1,1 @@
+"""The judge worker: grades stored traces blind, offline, and publishes verdicts."""

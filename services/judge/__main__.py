@@ -1,0 +1,99 @@
+"""``python -m services.judge``: parse settings, refuse a judge that is a provider, then consume."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from urllib.parse import urlsplit
+
+from services.common.logging import setup_logging
+from services.judge.settings import JudgeSettings
+
+log = logging.getLogger("services.judge")
+
+
+def guard(settings: JudgeSettings) -> None:
+    """Refuse (ConfigError) when the configured judge is one of the judged providers."""
+    from services.judge.guard import check_not_a_provider
+    from services.judge.settings import build_backend
+
+    backend = build_backend(settings.judge)
+    judge_models: tuple[str, ...] = ()
+    dense_model = None
+    if any(p.type == "dense" for p in settings.providers):
+        from services.gateway.providers.index import default_model_path
+
+        dense_model = str(default_model_path())
+    if getattr(settings.judge, "use_embeddings", False):
+        judge_models = (str(getattr(settings.judge, "model_path", None) or dense_model),)
+    check_not_a_provider(backend.identity, settings.providers, judge_models=judge_models,
+                         dense_model=dense_model)
+
+
+def provider_hosts(settings: JudgeSettings) -> tuple[str, ...]:
+    """Hosts of web providers' endpoints: scrubbed from anything the judge reads."""
+    hosts = (urlsplit(getattr(p, "base_url", "") or "").hostname for p in settings.providers)
+    return tuple(h for h in hosts if h)
+
+
+async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> None:
+    """Consume traces until ``stop`` is set (or SIGTERM/SIGINT)."""
+    from prometheus_client import start_http_server
+
+    from schemas.topics import topic
+    from services.common.bus import Bus
+    from services.common.idempotency import key_store
+    from services.judge.settings import build_backend
+    from services.judge.rubric import rubric_hash
+    from services.judge.worker import JudgeWorker, judge_key
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    backend = build_backend(settings.judge)
+    await backend.start()
+    bus = Bus(settings.kafka, client_id="fanroute-judge")
+    key = judge_key(backend, rubric_hash())
+    worker = JudgeWorker(bus, backend, key_store(settings.redis.url, f"fanroute:judge:{key}"),
+                         sample_rate=settings.sample_rate, hide=provider_hosts(settings))
+    bus.subscribe(topic("traces"), worker.handle, group_id=f"{settings.group_prefix}.{worker.key}")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, registry=worker.metrics.registry)
+    from services.common.bus import ensure_topics
+
+    if settings.kafka.ensure_topics:
+        await ensure_topics(settings.kafka, [(bus.name(s), s) for s in (topic("traces"), topic("verdicts"))])
+    found = await worker.reconcile(settings.kafka)
+    await bus.start((topic("traces"), topic("verdicts")))
+    log.info("reconciled %d verdicts already on the topic", found)
+    log.info("judge %s (%s) consuming traces as group %s.%s", backend.identity.model,
+             backend.identity.kind, settings.group_prefix, worker.key)
+    try:
+        await stop.wait()
+    finally:
+        await bus.stop()
+        await worker.store.close()
+        await backend.close()
+
+
+def main() -> int:
+    from pydantic import ValidationError
+
+    from services.common.errors import ConfigError
+
+    try:
+        settings = JudgeSettings()
+        guard(settings)
+    except (ValidationError, ConfigError) as exc:
+        print(f"fanroute judge: refusing to start: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_level)
+    asyncio.run(run(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The judge is not a provider: refuse a judge whose model or endpoint is one being judged.
+
+Self-preference compounds over N arms: a judge that is also a provider (or shares a provider's
+model, or sits behind the same endpoint) flatters that provider, and the router learns the flattery.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from services.common.errors import ConfigError
+from services.gateway.providers.config import DenseConfig, ProviderConfig
+from services.judge.base import JudgeIdentity
+
+
+def _host(url: str | None) -> str | None:
+    if not url:
+        return None
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    port = parts.port or {"https": 443, "http": 80}.get(parts.scheme)
+    return f"{(parts.hostname or '').lower()}:{port}"
+
+
+def provider_identities(cfg: ProviderConfig, dense_model: str | None) -> set[str]:
+    """What identifies a provider: its name, its endpoint host, and the model it ranks with."""
+    ids = {f"name:{cfg.name.lower()}"}
+    base = getattr(cfg, "base_url", None)
+    if base:
+        ids.add(f"endpoint:{_host(base)}")
+    if isinstance(cfg, DenseConfig) and dense_model:
+        ids.add(f"model:{(cfg.model_path or dense_model).lower()}")
+    return ids
+
+
+def judge_identities(identity: JudgeIdentity, judge_models: tuple[str, ...] = ()) -> set[str]:
+    """What identifies the judge: its model name (as a provider name too), endpoint and models."""
+    ids = {f"name:{identity.model.lower()}", f"model:{identity.model.lower()}"}
+    ids |= {f"model:{m.lower()}" for m in judge_models}
+    if identity.endpoint:
+        ids.add(f"endpoint:{_host(identity.endpoint)}")
+    return ids
+
+
+def check_not_a_provider(identity: JudgeIdentity, providers: list[ProviderConfig], *,
+                         judge_models: tuple[str, ...] = (), dense_model: str | None = None) -> None:
+    """Raise :class:`ConfigError` naming the clash if the judge is one of ``providers``."""
+    mine = judge_identities(identity, judge_models)
+    for cfg in providers:
+        if not cfg.enabled:
+            continue
+        clash = mine & provider_identities(cfg, dense_model)
+        if clash:
+            what = ", ".join(sorted(clash))
+            raise ConfigError(f"the judge ({identity.kind} {identity.model}) is provider {cfg.name!r} "
+                              f"({what}); a judge must have no arm in the race — pick another judge "
+                              "or drop that provider from the judged set")

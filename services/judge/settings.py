@@ -1,0 +1,52 @@
+"""Judge worker settings: which judge, how much to sample, and the provider set being judged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Union
+
+from pydantic import Field, model_validator
+
+from services.common.settings import ServiceSettings
+from services.gateway.providers.config import ProviderConfig
+from services.gateway.settings import default_providers, load_providers_file
+from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
+from services.judge.settings_local import LocalJudgeConfig
+
+JudgeConfig = Annotated[Union[LocalJudgeConfig, OpenAIJudgeConfig, AnthropicJudgeConfig],
+                        Field(discriminator="type")]
+
+
+class JudgeSettings(ServiceSettings):
+    """``FANROUTE_`` env vars, e.g. ``FANROUTE_JUDGE='{"type": "openai", ...}'``."""
+
+    judge: JudgeConfig = Field(default_factory=LocalJudgeConfig, description="The judge backend")
+    sample_rate: float = Field(default=0.2, ge=0, le=1,
+                               description="Share of uncontested traces judged (contested: all)")
+    providers: list[ProviderConfig] = Field(default_factory=default_providers,
+                                            description="The provider set being judged (as the gateway's)")
+    providers_file: Path | None = Field(default=None, description="Same file as the gateway's")
+    group_prefix: str = Field(default="judge", min_length=1, max_length=64, pattern=r"^[a-z0-9._-]+$",
+                              description="Consumer group prefix; the judge key is appended")
+    metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port (0 = off)")
+
+    @model_validator(mode="after")
+    def _load_file(self) -> JudgeSettings:
+        if self.providers_file is not None:
+            object.__setattr__(self, "providers", load_providers_file(self.providers_file))
+        return self
+
+
+def build_backend(cfg: LocalJudgeConfig | OpenAIJudgeConfig | AnthropicJudgeConfig):
+    """The backend object for a config (nothing is loaded until ``start()``)."""
+    if isinstance(cfg, LocalJudgeConfig):
+        from services.judge.backends.local import LocalJudge
+
+        return LocalJudge(cfg)
+    if isinstance(cfg, OpenAIJudgeConfig):
+        from services.judge.backends.openai import OpenAIJudge
+
+        return OpenAIJudge(cfg)
+    from services.judge.backends.anthropic import AnthropicJudge
+
+    return AnthropicJudge(cfg)

@@ -1,0 +1,43 @@
+"""Configuration of the local (offline, no network) judge backend."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class LocalJudgeConfig(BaseModel):
+    """The local judge: lexical evidence by default, optionally blended with MiniLM similarity.
+
+    ``use_embeddings`` must stay off when a dense provider uses the same model: a judge built
+    on the same embeddings as a provider rewards that provider's own notion of similarity (see
+    :class:`services.judge.backends.local.LocalJudge`).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    type: Literal["local"] = "local"
+    use_embeddings: bool = Field(
+        default=False, description="Blend MiniLM query–source cosine into the lexical score")
+    model_path: str | None = Field(
+        default=None, description="sentence-transformers model dir; default: the bundled MiniLM")
+    embedding_weight: float = Field(
+        default=0.5, ge=0, le=1,
+        description="Share of the cosine score in the blend (only with use_embeddings)")
+    max_seq_length: int = Field(default=128, ge=16, le=512,
+                                description="Tokens per source the model reads")
+    thresholds: tuple[float, float, float] = Field(
+        default=(0.1, 0.3, 0.5),
+        description="Score cut points in [0, 1] for grades 1, 2 and 3 (strictly increasing)")
+    top_sources: int = Field(default=5, ge=1, le=50,
+                             description="Sources per candidate that count (rank-discounted)")
+
+    @field_validator("thresholds")
+    @classmethod
+    def _increasing(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+        if not all(0 < t <= 1 for t in v):
+            raise ValueError(f"thresholds must lie in (0, 1], got {v}")
+        if not v[0] < v[1] < v[2]:
+            raise ValueError(f"thresholds must be strictly increasing, got {v}")
+        return v
