@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.adapter import AdapterPublished
+from schemas.calibration import CalibrationRecord, Review
 from schemas.base import Message
 from schemas.episode import Episode
 from schemas.task import Task
@@ -39,6 +40,8 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("episodes", Episode, "episode_id", partitions=6),
         TopicSpec("tasks", Task, "task_id", partitions=3),
         TopicSpec("adapters", AdapterPublished, "model_id", partitions=1),
+        TopicSpec("calibrations", CalibrationRecord, "gate_key", partitions=1),
+        TopicSpec("reviews", Review, "verdict_id", partitions=3),
     )
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from schemas.calibration import CalibrationRecord, ProviderAgreement, Review
 from schemas import (AdapterPublished, Candidate, CandidateGrade, ChatMessage, Citation, Episode,
                      RewardComponent, Signals, Task, Trace, Verdict)
 
@@ -46,6 +47,11 @@ def all_examples() -> list:
                           ChatMessage(role="assistant", content="a > b = c")),
                 rewards=(RewardComponent(component_id="c1", name="ndcg", value=0.9),)),
         Task(task_id="k1", trace_id="t1", created_at=NOW, files={"task.toml": "x"}),
+        CalibrationRecord(gate_key="g", created_at=NOW, judge_kind="local", judge_model="m",
+                          rubric_hash="h", providers=("a", "b"), human_source="qrels", tau_b=0.5,
+                          top1=0.6, n=10, threshold=0.7, open=False,
+                          per_provider={"a": ProviderAgreement(tau_b=None, top1=0.5, n=4)}),
+        Review(review_id="r", verdict_id="v1", reviewer="ana", mark="agree", created_at=NOW),
         AdapterPublished(model_id="router", version=1, base_model="smollm2", url="http://x/a",
                          files_sha256={"adapter_model.safetensors": "ab"}, published_at=NOW),
     ]

@@ -66,8 +66,8 @@ async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> Non
 
     if settings.kafka.ensure_topics:
         await ensure_topics(settings.kafka, [(bus.name(s), s) for s in (topic("traces"), topic("verdicts"))])
-    found = await worker.reconcile(settings.kafka)
-    await bus.start((topic("traces"), topic("verdicts")))
+    found = await worker.reconcile(settings.kafka)  # before consuming: see JudgeWorker.reconcile
+    await bus.start()
     log.info("reconciled %d verdicts already on the topic", found)
     log.info("judge %s (%s) consuming traces as group %s.%s", backend.identity.model,
              backend.identity.kind, settings.group_prefix, worker.key)

@@ -1,0 +1,1 @@
+"""Judge backends: the LLM endpoints (and local models) that grade blind candidates."""
