@@ -37,6 +37,11 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stack", help="the local Kafka + Redis stack (no Docker)")
     s.add_argument("action", choices=["up", "down", "status", "prepare"])
+
+    sub.add_parser("judge", help="run the judge worker (same as python -m services.judge)")
+    from services.judge.cli import add_parser as add_calibrate
+
+    add_calibrate(sub)
     return p
 
 
@@ -48,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         from services.gateway.__main__ import main as gateway_main
 
         return gateway_main()
+    if args.cmd == "judge":
+        from services.judge.__main__ import main as judge_main
+
+        return judge_main()
     setup_logging("WARNING")
+    if args.cmd == "calibrate":
+        from services.judge.cli import run as calibrate
+
+        return calibrate(args)
     if args.cmd == "stack":
         from services.common import stack
 

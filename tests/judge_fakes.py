@@ -26,6 +26,7 @@ class KeywordJudge(JudgeBackend):
 
 
 def cand(provider: str, answer: str, urls: tuple[str, ...] = ("https://x.org/1",), error: str | None = None):
+    answer = f"{answer} (see collection://med/12)" if answer else answer
     cits = () if error else tuple(Citation(url=u, title=f"{provider} result", rank=i + 1,
                                            snippet=f"text from {provider.upper()}")
                                   for i, u in enumerate(urls))

@@ -7,7 +7,6 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
@@ -21,13 +20,12 @@ from schemas.topics import topic
 from schemas.trace import Candidate, Signals, Trace
 from services.common.bus import Bus
 from services.common.errors import BusError
-from services.gateway.fanout import fan_out
+from services.gateway.fanout import fan_out_trace
 from services.gateway.fusion import FusedResult, rrf
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.providers.base import Provider
 from services.gateway.providers.registry import build_provider
 from services.gateway.settings import GatewaySettings
-from services.gateway.signals import compute_signals
 
 log = logging.getLogger(__name__)
 TRACE_HEADER = "X-Fanroute-Trace"
@@ -85,13 +83,12 @@ class Gateway:
         Returns the response, whether Kafka acked the trace, and the fan-out's wall time in ms.
         """
         t0 = time.perf_counter()
-        received = datetime.now(UTC)
         trace_id = content_id("trace", req.request_id) if req.request_id else uuid.uuid4().hex
-        candidates = await fan_out(self.providers, query, deadline_s=self.settings.deadline_s)
+        trace = await fan_out_trace(self.providers, query, trace_id=trace_id, query_id=req.query_id,
+                                    deadline_s=self.settings.deadline_s,
+                                    contested_threshold=self.settings.contested_threshold)
         fanout_ms = (time.perf_counter() - t0) * 1000.0
-        signals = compute_signals(candidates, self.settings.contested_threshold)
-        trace = Trace(trace_id=trace_id, received_at=received, query=query, query_id=req.query_id,
-                      mode="fanout", candidates=tuple(candidates), signals=signals)
+        candidates, signals = list(trace.candidates), trace.signals
         published, error = await self._publish(trace)
         self._observe(candidates, signals, time.perf_counter() - t0)
         fused = rrf(candidates, k=self.settings.rrf_k, limit=self.settings.fused_limit)

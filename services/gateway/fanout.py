@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime
 
-from schemas.trace import Candidate
+from schemas.trace import Candidate, Trace
 from services.common.errors import ProviderError, ProviderTimeout
 from services.gateway.providers.base import Provider
 
@@ -59,3 +60,15 @@ async def fan_out(providers: list[Provider], query: str, *, deadline_s: float) -
 
 def _ms_since(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1000.0, 3)
+
+
+async def fan_out_trace(providers: list[Provider], query: str, *, trace_id: str, deadline_s: float,
+                        contested_threshold: float, query_id: str | None = None) -> Trace:
+    """One fan-out as a Trace (candidates + signals): what the gateway publishes."""
+    from services.gateway.signals import compute_signals
+
+    received = datetime.now(UTC)
+    candidates = await fan_out(providers, query, deadline_s=deadline_s)
+    return Trace(trace_id=trace_id, received_at=received, query=query, query_id=query_id, mode="fanout",
+                 candidates=tuple(candidates), signals=compute_signals(candidates, contested_threshold))
+

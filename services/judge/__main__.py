@@ -15,21 +15,21 @@ log = logging.getLogger("services.judge")
 
 
 def guard(settings: JudgeSettings) -> None:
-    """Refuse (ConfigError) when the configured judge is one of the judged providers."""
+    """Refuse (ConfigError) when the configured judge is one of the judged providers: by name or
+    endpoint (any judge), or by sharing a dense provider's embedding model (local judge)."""
+    from services.common.errors import ConfigError
     from services.judge.guard import check_not_a_provider
     from services.judge.settings import build_backend
+    from services.judge.settings_local import LocalJudgeConfig
 
-    backend = build_backend(settings.judge)
-    judge_models: tuple[str, ...] = ()
-    dense_model = None
-    if any(p.type == "dense" for p in settings.providers):
-        from services.gateway.providers.index import default_model_path
+    check_not_a_provider(build_backend(settings.judge).identity, settings.providers)
+    if isinstance(settings.judge, LocalJudgeConfig) and settings.judge.use_embeddings:
+        from services.judge.backends.local import conflicting_providers
 
-        dense_model = str(default_model_path())
-    if getattr(settings.judge, "use_embeddings", False):
-        judge_models = (str(getattr(settings.judge, "model_path", None) or dense_model),)
-    check_not_a_provider(backend.identity, settings.providers, judge_models=judge_models,
-                         dense_model=dense_model)
+        clash = conflicting_providers(settings.judge, settings.providers)
+        if clash:
+            raise ConfigError(f"the local judge embeds with the same model as provider(s) {clash}; "
+                              "it would flatter them — use the lexical local judge or another judge")
 
 
 def provider_hosts(settings: JudgeSettings) -> tuple[str, ...]:
@@ -46,7 +46,6 @@ async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> Non
     from services.common.bus import Bus
     from services.common.idempotency import key_store
     from services.judge.settings import build_backend
-    from services.judge.rubric import rubric_hash
     from services.judge.worker import JudgeWorker, judge_key
 
     stop = stop or asyncio.Event()
@@ -56,7 +55,7 @@ async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> Non
     backend = build_backend(settings.judge)
     await backend.start()
     bus = Bus(settings.kafka, client_id="fanroute-judge")
-    key = judge_key(backend, rubric_hash())
+    key = judge_key(backend, backend.rubric)
     worker = JudgeWorker(bus, backend, key_store(settings.redis.url, f"fanroute:judge:{key}"),
                          sample_rate=settings.sample_rate, hide=provider_hosts(settings))
     bus.subscribe(topic("traces"), worker.handle, group_id=f"{settings.group_prefix}.{worker.key}")

@@ -65,6 +65,15 @@ class JudgeBackend(abc.ABC):
     """A judge. Clients and models load once in :meth:`start`, never per trace."""
 
     identity: JudgeIdentity
+    #: Backend-specific parts of the rubric (e.g. a local judge's grade cut points): hashed with it.
+    rubric_extra: str = ""
+
+    @property
+    def rubric(self) -> str:
+        """This backend's rubric hash: part of its verdict ids and its calibration key."""
+        from services.judge.rubric import rubric_hash
+
+        return rubric_hash(self.rubric_extra)
 
     async def start(self) -> None:
         """Open clients / load models (idempotent)."""

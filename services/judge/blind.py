@@ -48,10 +48,16 @@ def blind(trace: Trace, attempt: int = 0, *, hide: tuple[str, ...] = ()) -> Blin
                    not_shown, seed)
 
 
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+", re.IGNORECASE)
+
+
 def _scrubber(names: tuple[str, ...]):
-    """A function that replaces any of ``names`` (case-insensitive) with a neutral token."""
+    """A function that blanks URLs and replaces any of ``names`` (case-insensitive) with a token."""
     words = sorted({n for n in names if n}, key=len, reverse=True)
-    if not words:
-        return lambda text: text
-    pattern = re.compile("|".join(re.escape(w) for w in words), re.IGNORECASE)
-    return lambda text: pattern.sub("[source]", text)
+    pattern = re.compile("|".join(re.escape(w) for w in words), re.IGNORECASE) if words else None
+
+    def scrub(text: str) -> str:
+        text = _URL.sub("[link]", text)
+        return pattern.sub("[source]", text) if pattern else text
+
+    return scrub

@@ -9,7 +9,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from services.common.errors import ConfigError
-from services.gateway.providers.config import DenseConfig, ProviderConfig
+from services.gateway.providers.config import ProviderConfig
 from services.judge.base import JudgeIdentity
 
 
@@ -21,34 +21,34 @@ def _host(url: str | None) -> str | None:
     return f"{(parts.hostname or '').lower()}:{port}"
 
 
-def provider_identities(cfg: ProviderConfig, dense_model: str | None) -> set[str]:
-    """What identifies a provider: its name, its endpoint host, and the model it ranks with."""
+def provider_identities(cfg: ProviderConfig) -> set[str]:
+    """What identifies a provider: its name and its endpoint host."""
     ids = {f"name:{cfg.name.lower()}"}
     base = getattr(cfg, "base_url", None)
     if base:
         ids.add(f"endpoint:{_host(base)}")
-    if isinstance(cfg, DenseConfig) and dense_model:
-        ids.add(f"model:{(cfg.model_path or dense_model).lower()}")
     return ids
 
 
-def judge_identities(identity: JudgeIdentity, judge_models: tuple[str, ...] = ()) -> set[str]:
-    """What identifies the judge: its model name (as a provider name too), endpoint and models."""
-    ids = {f"name:{identity.model.lower()}", f"model:{identity.model.lower()}"}
-    ids |= {f"model:{m.lower()}" for m in judge_models}
+def judge_identities(identity: JudgeIdentity) -> set[str]:
+    """What identifies the judge: its model name (compared with provider names) and endpoint."""
+    ids = {f"name:{identity.model.lower()}"}
     if identity.endpoint:
         ids.add(f"endpoint:{_host(identity.endpoint)}")
     return ids
 
 
-def check_not_a_provider(identity: JudgeIdentity, providers: list[ProviderConfig], *,
-                         judge_models: tuple[str, ...] = (), dense_model: str | None = None) -> None:
-    """Raise :class:`ConfigError` naming the clash if the judge is one of ``providers``."""
-    mine = judge_identities(identity, judge_models)
+def check_not_a_provider(identity: JudgeIdentity, providers: list[ProviderConfig]) -> None:
+    """Raise :class:`ConfigError` naming the clash if the judge is one of ``providers``.
+
+    (A local judge that shares a dense provider's embedding model is refused separately:
+    ``services.judge.backends.local.conflicting_providers``.)
+    """
+    mine = judge_identities(identity)
     for cfg in providers:
         if not cfg.enabled:
             continue
-        clash = mine & provider_identities(cfg, dense_model)
+        clash = mine & provider_identities(cfg)
         if clash:
             what = ", ".join(sorted(clash))
             raise ConfigError(f"the judge ({identity.kind} {identity.model}) is provider {cfg.name!r} "

@@ -23,7 +23,7 @@ from services.common.settings import KafkaSettings
 from services.common.idempotency import KeyStore
 from services.judge.base import JudgeBackend, JudgeFailed, JudgeResult
 from services.judge.blind import Blinded, blind
-from services.judge.rubric import RUBRIC_VERSION, rubric_hash
+from services.judge.rubric import RUBRIC_VERSION
 from services.judge.sampling import Reason, sample_reason
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class JudgeWorker:
         self.bus, self.backend, self.store = bus, backend, store
         self.sample_rate = sample_rate
         self.hide = hide
-        self.rubric = rubric_hash()
+        self.rubric = backend.rubric
         self.key = judge_key(backend, self.rubric)
         self.metrics = JudgeMetrics()
 

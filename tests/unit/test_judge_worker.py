@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -12,6 +11,9 @@ from services.common.errors import ConfigError
 from services.common.idempotency import MemoryKeyStore
 from services.common.settings import KafkaSettings
 from services.gateway.providers.config import BM25Config, DenseConfig, SearxngConfig
+from services.judge.__main__ import guard
+from services.judge.settings import JudgeSettings
+from services.judge.settings_local import LocalJudgeConfig
 from services.judge.base import JudgeIdentity
 from services.judge.blind import blind, shuffle_seed
 from services.judge.guard import check_not_a_provider
@@ -76,9 +78,10 @@ def test_a_judge_that_is_a_provider_is_refused():
         check_not_a_provider(JudgeIdentity("openai", "BM25-all", "http://127.0.0.1:9000/v1"), providers)
     with pytest.raises(ConfigError, match="is provider 'searx'.*endpoint:10.1.2.3:8888"):
         check_not_a_provider(JudgeIdentity("openai", "m", "http://10.1.2.3:8888/v1"), providers)
-    with pytest.raises(ConfigError, match="is provider 'dense-all'.*model:/m/minilm"):
-        check_not_a_provider(JudgeIdentity("local", "local-lexical+minilm-v1"), providers,
-                             judge_models=("/m/minilm",), dense_model="/m/minilm")
+    # a local judge embedding with a dense provider's own model would flatter it
+    with pytest.raises(ConfigError, match=r"same model as provider\(s\) \['dense-all'\]"):
+        guard(JudgeSettings(judge=LocalJudgeConfig(use_embeddings=True), providers=providers))
+    guard(JudgeSettings(judge=LocalJudgeConfig(use_embeddings=False), providers=providers))
     # a disabled provider is not being judged
     check_not_a_provider(JudgeIdentity("openai", "bm25-all"), [BM25Config(name="bm25-all", enabled=False)])
 

@@ -1,0 +1,201 @@
+"""The judge worker against real Kafka and Redis: gateway traces become verdicts; a kill -9 and a
+restart lose no trace and duplicate no verdict; a replay is not judged again; a new judge adds."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from schemas import Verdict, decode, topic
+from services.common.bus import Bus
+from services.common.replay_topic import read_to_end
+from services.common.settings import KafkaSettings, RedisSettings
+from services.gateway.app import build_gateway, create_app
+from services.gateway.providers.config import BM25Config
+from services.gateway.settings import GatewaySettings
+from services.judge.__main__ import run as run_judge
+from services.judge.settings import JudgeSettings, build_backend
+from services.judge.settings_backends import OpenAIJudgeConfig
+from services.judge.settings_local import LocalJudgeConfig
+from services.judge.worker import judge_key
+from tests.integration.llm_judge_fake import AutoJudgeServer
+from tests.judge_fakes import judged_trace
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis]
+ROOT = Path(__file__).resolve().parents[2]
+TRACE_PROVIDERS = [BM25Config(name=n) for n in ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")]
+
+
+async def _verdicts(kafka: KafkaSettings) -> list[Verdict]:
+    return [decode(Verdict, raw) async for raw in read_to_end(kafka, f"{kafka.topic_namespace}verdicts")]
+
+
+async def _wait(cond, timeout_s: float, what: str, every_s: float = 0.2):
+    """Re-check an async condition until it holds (or fail after the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = await cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(every_s)
+
+
+async def _group_caught_up(kafka: KafkaSettings, group: str) -> bool:
+    """Whether ``group`` has committed the end of every traces partition."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    probe = AIOKafkaConsumer(f"{kafka.topic_namespace}traces", bootstrap_servers=kafka.bootstrap_servers,
+                             group_id=None)
+    await admin.start()
+    await probe.start()
+    try:
+        ends = await probe.end_offsets(list(probe.assignment()))
+        done = await admin.list_consumer_group_offsets(group)
+        return all(done.get(tp) is not None and done[tp].offset >= end for tp, end in ends.items())
+    finally:
+        await probe.stop()
+        await admin.close()
+
+
+def _ns() -> str:
+    return f"j{uuid.uuid4().hex[:8]}."
+
+
+@pytest.mark.slow
+async def test_gateway_traces_become_verdicts(kafka_bootstrap, redis_url):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=_ns())
+    providers = [BM25Config(name="bm25-small", collections=("adi", "med")),
+                 BM25Config(name="med-only", collections=("med",)),
+                 BM25Config(name="adi-only", collections=("adi",))]
+    gw_settings = GatewaySettings(kafka=kafka, providers=providers)
+    gw = build_gateway(gw_settings)
+    await gw.start()
+    queries = ["the crystalline lens in vertebrates", "computer-based information retrieval systems",
+               "cancer of the lung in smokers"]
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gw_settings, gateway=gw)),
+                                     base_url="http://gw") as client:
+            ids = [(await client.post("/v1/search", json={"query": q})).json()["trace_id"] for q in queries]
+    finally:
+        await gw.stop()
+    settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), sample_rate=1.0,
+                             providers=providers, judge=LocalJudgeConfig())
+    stop = asyncio.Event()
+    judging = asyncio.create_task(run_judge(settings, stop))
+    try:
+        verdicts = await _wait(lambda: _all_three(kafka), 120, "three verdicts")
+    finally:
+        stop.set()
+        await judging
+    assert sorted(v.trace_id for v in verdicts) == sorted(ids)
+    for v in verdicts:
+        assert v.status == "ok" and v.sampled_because in ("contested", "sampled")
+        assert {g.provider for g in v.grades} == {"bm25-small", "med-only", "adi-only"}
+        assert all(0 <= g.grade <= 3 for g in v.grades)
+        assert sorted(p for tier in v.ordering for p in tier) == ["adi-only", "bm25-small", "med-only"]
+        assert {v.letters[g.letter] for g in v.grades if g.letter} == {g.provider for g in v.grades if g.letter}
+        assert v.rubric_hash == build_backend(LocalJudgeConfig()).rubric and v.judge_kind == "local" and v.judge_model
+
+
+async def _all_three(kafka):
+    got = await _verdicts(kafka)
+    return got if len(got) >= 3 else None
+
+
+def _judge_env(kafka: KafkaSettings, redis_url: str, llm: AutoJudgeServer, model: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT),
+            "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+            "FANROUTE_KAFKA__TOPIC_NAMESPACE": kafka.topic_namespace, "FANROUTE_REDIS__URL": redis_url,
+            "FANROUTE_SAMPLE_RATE": "1.0", "FANROUTE_LOG_LEVEL": "WARNING",
+            "FANROUTE_PROVIDERS": json.dumps([p.model_dump() for p in TRACE_PROVIDERS]),
+            "FANROUTE_JUDGE": json.dumps({"type": "openai", "base_url": llm.base_url, "model": model,
+                                          "backoff_s": 0.01})}
+
+
+def _spawn(env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "services.judge"], cwd=ROOT, env=env)
+
+
+@pytest.mark.slow
+async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=_ns())
+    bus = Bus(kafka)
+    await bus.start((topic("traces"), topic("verdicts")))
+    traces = [judged_trace(f"trace-{i:03d}", contested=i % 2 == 0) for i in range(40)]
+    try:
+        for t in traces:
+            await bus.publish(topic("traces"), t)
+        with AutoJudgeServer(delay_s=0.05) as llm:
+            env = _judge_env(kafka, redis_url, llm, "judge-llm-a")
+            backend = build_backend(OpenAIJudgeConfig(base_url=llm.base_url, model="judge-llm-a"))
+            group = "judge." + judge_key(backend, backend.rubric)
+            first = _spawn(env)
+            try:
+                await _wait(lambda: _at_least(kafka, 8), 120, "8 verdicts before the kill")
+            finally:
+                first.send_signal(signal.SIGKILL)
+                first.wait(timeout=10)
+            assert len(await _verdicts(kafka)) < len(traces), "the kill must land mid-stream"
+            second = _spawn(env)
+            try:
+                await _wait(lambda: _group_caught_up(kafka, group), 180, "the restarted judge to catch up")
+                after_restart = await _verdicts(kafka)
+                for t in traces:  # replay every trace: none may be judged again
+                    await bus.publish(topic("traces"), t)
+                await _wait(lambda: _group_caught_up(kafka, group), 120, "the judge to read the replay")
+                after_replay = await _verdicts(kafka)
+            finally:
+                second.terminate()
+                second.wait(timeout=20)
+            third = _spawn(_judge_env(kafka, redis_url, llm, "judge-llm-b"))  # a different judge
+            try:
+                await _wait(lambda: _at_least(kafka, 2 * len(traces)), 180, "the second judge's verdicts")
+            finally:
+                third.terminate()
+                third.wait(timeout=20)
+            prompts = llm.prompts
+    finally:
+        await bus.stop()
+    ids = [v.verdict_id for v in after_restart]
+    assert len(ids) == len(set(ids)) == len(traces)  # nothing lost, nothing duplicated
+    assert {v.trace_id for v in after_restart} == {t.trace_id for t in traces}
+    key = lambda v: v.verdict_id  # noqa: E731 — partitions are read in no fixed order
+    assert sorted(after_replay, key=key) == sorted(after_restart, key=key)
+    assert {v.sampled_because for v in after_restart} == {"contested", "sampled"}
+    final = await _verdicts(kafka)
+    by_model = {m: [v for v in final if v.judge_model == m] for m in ("judge-llm-a", "judge-llm-b")}
+    assert len(by_model["judge-llm-b"]) == len(traces)  # beside the first judge's, not over them
+    assert sorted(by_model["judge-llm-a"], key=key) == sorted(after_restart, key=key)
+    v = by_model["judge-llm-a"][0]
+    assert {g.provider: g.grade for g in v.grades} == {"bm25-all": 3, "dense-all": 1, "eng-bm25": 3,
+                                                       "lib-bm25": 0}
+    assert all(name not in p for p in prompts for name in ("bm25-all", "dense-all", "eng-bm25", "lib-bm25"))
+
+
+async def _at_least(kafka, n):
+    return len(await _verdicts(kafka)) >= n
+
+
+async def test_judge_that_is_a_provider_refuses_to_start():
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "FANROUTE_PROVIDERS": json.dumps([p.model_dump() for p in TRACE_PROVIDERS]),
+           "FANROUTE_JUDGE": json.dumps({"type": "openai", "base_url": "http://127.0.0.1:9/v1",
+                                         "model": "dense-all"})}
+    proc = subprocess.run([sys.executable, "-m", "services.judge"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "refusing to start" in proc.stderr and "is provider 'dense-all'" in proc.stderr
