@@ -50,27 +50,28 @@ async def run_demo(opts: DemoOptions) -> int:
 
     started_stack = False
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or os.environ.get("FANROUTE_KAFKA__BOOTSTRAP_SERVERS")
+    redis_url = os.environ.get("REDIS_URL") or os.environ.get("FANROUTE_REDIS__URL") or "memory://"
     if not bootstrap:
-        print("[1/5] starting Apache Kafka (KRaft) and redis-server on loopback ...", flush=True)
+        print("[1/6] starting Apache Kafka (KRaft) and redis-server on loopback ...", flush=True)
         info = stack.up(REPO / ".stack")
-        bootstrap, started_stack = info.bootstrap_servers, True
-    print(f"      Kafka at {bootstrap}", flush=True)
+        bootstrap, redis_url, started_stack = info.bootstrap_servers, info.redis_url, True
+    print(f"      Kafka at {bootstrap}, Redis at {redis_url}", flush=True)
     try:
-        return await _demo(opts, KafkaSettings(bootstrap_servers=bootstrap))
+        return await _demo(opts, KafkaSettings(bootstrap_servers=bootstrap), redis_url)
     finally:
         if started_stack and not opts.keep_stack:
             print("stopping the stack (use --keep-stack to leave it running)", flush=True)
             stack.down(REPO / ".stack")
 
 
-async def _demo(opts: DemoOptions, kafka: KafkaSettings) -> int:
+async def _demo(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
     import uvicorn
 
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
 
     settings = GatewaySettings(kafka=kafka, port=_free_port())
-    print(f"[2/5] starting the gateway with providers {[p.name for p in settings.providers]}"
+    print(f"[2/6] starting the gateway with providers {[p.name for p in settings.providers]}"
           " (indexes are built once and cached; the first run builds them) ...", flush=True)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
                                            log_level="warning", access_log=False))
@@ -84,16 +85,18 @@ async def _demo(opts: DemoOptions, kafka: KafkaSettings) -> int:
     print(f"      gateway ready at http://127.0.0.1:{settings.port} in {time.perf_counter() - t0:.1f}s",
           flush=True)
     try:
-        return await _traffic(opts, kafka, f"http://127.0.0.1:{settings.port}")
+        traces, code = await _traffic(opts, kafka, f"http://127.0.0.1:{settings.port}")
     finally:
         server.should_exit = True
         await serving
+    verdicts = await _judge(kafka, redis_url, traces, settings.providers)
+    return code if len(verdicts) == sum(_sampled(t) for t in traces) else 1
 
 
-async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> int:
+async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[list[Trace], int]:
     queries = sample_queries(limit=opts.queries, seed=opts.seed)
     since = datetime.now(UTC)
-    print(f"[3/5] replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
+    print(f"[3/6] replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
           "traces as they land on the Kafka topic:", flush=True)
     traces: list[Trace] = []
 
@@ -108,14 +111,65 @@ async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> int:
         await asyncio.wait_for(watcher, timeout=60)
     except TimeoutError:
         print(f"      only {len(traces)} of {len(queries)} traces arrived within 60 s")
-    print("[4/5] replay summary\n" + summary.render(), flush=True)
+    print("[4/6] replay summary\n" + summary.render(), flush=True)
     if traces:
         ov = np.percentile([t.signals.mean_overlap for t in traces], [10, 50, 90])
         n_contested = sum(t.signals.contested for t in traces)
         print(f"      mean citation overlap p10/p50/p90 = {ov[0]:.2f}/{ov[1]:.2f}/{ov[2]:.2f}; "
               f"contested (below {traces[0].signals.contested_threshold:g}): {n_contested}/{len(traces)}")
     rows = score_traces(traces, default_collections_dir())
-    print(f"[5/5] {len(traces)} traces read back from Kafka\n" + render(rows, len(traces)), flush=True)
+    print(f"[5/6] {len(traces)} traces read back from Kafka\n" + render(rows, len(traces)), flush=True)
     jpath, ppath = write_report(rows, opts.out_dir)
     print(f"report: {jpath}\nplot:   {ppath}")
-    return 0 if summary.ok == len(queries) and len(traces) == len(queries) else 1
+    return traces, 0 if summary.ok == len(queries) and len(traces) == len(queries) else 1
+
+
+def _sampled(trace: Trace) -> bool:
+    from services.judge.sampling import sample_reason
+    from services.judge.settings import JudgeSettings
+
+    return sample_reason(trace, JudgeSettings.model_fields["sample_rate"].default) is not None
+
+
+async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], providers) -> list:
+    """Run the judge worker on the topic until this run's sampled traces have verdicts."""
+    from schemas import Verdict, topic
+    from services.common.bus import ensure_topics
+    from services.common.settings import RedisSettings
+    from services.common.replay_topic import read_messages
+    from services.judge.__main__ import guard, run
+    from services.judge.calibrate import against_qrels
+    from services.judge.calibration.metrics import render_report
+    from services.judge.settings import JudgeSettings, build_backend
+    from services.judge.worker import verdict_id
+
+    settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), providers=providers)
+    guard(settings)
+    backend = build_backend(settings.judge)
+    wanted = {verdict_id(t.trace_id, backend, backend.rubric) for t in traces if _sampled(t)}
+    print(f"[6/6] judging: {len(wanted)} of {len(traces)} traces sampled (every contested one, "
+          f"{settings.sample_rate:.0%} of the rest) by {backend.identity.model}", flush=True)
+    since = min((t.received_at for t in traces), default=None)
+    await ensure_topics(kafka, [("verdicts", topic("verdicts"))])  # before reading: no auto-created topic
+    stop = asyncio.Event()
+    worker = asyncio.create_task(run(settings, stop))
+    got: dict[str, Verdict] = {}
+    try:
+        async with asyncio.timeout(180):
+            async for v in read_messages(kafka, topic("verdicts"), Verdict, idle_s=180, since=since):
+                if v.verdict_id in wanted:
+                    got[v.verdict_id] = v
+                    if len(got) <= 3:
+                        tqdm.write(f"  {v.trace_id[:12]} {v.sampled_because:<9} " + " > ".join(
+                            " = ".join(tier) for tier in v.ordering))
+                if len(got) == len(wanted):
+                    break
+    except TimeoutError:
+        print(f"      only {len(got)} of {len(wanted)} verdicts arrived within 180 s")
+    finally:
+        stop.set()
+        await worker
+    judged = {v.trace_id: v.ordering for v in got.values() if v.status == "ok"}
+    report = against_qrels([t for t in traces if t.trace_id in judged], judged)
+    print(render_report(report, f"{len(got)} verdicts on the topic; the judge vs the human qrels"))
+    return list(got.values())
