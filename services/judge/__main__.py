@@ -56,7 +56,8 @@ async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> Non
     await backend.start()
     bus = Bus(settings.kafka, client_id="fanroute-judge")
     key = judge_key(backend, backend.rubric)
-    worker = JudgeWorker(bus, backend, key_store(settings.redis.url, f"fanroute:judge:{key}"),
+    prefix = f"fanroute:{settings.kafka.topic_namespace}judge:{key}"  # namespaced like the topics
+    worker = JudgeWorker(bus, backend, key_store(settings.redis.url, prefix),
                          sample_rate=settings.sample_rate, hide=provider_hosts(settings))
     bus.subscribe(topic("traces"), worker.handle, group_id=f"{settings.group_prefix}.{worker.key}")
     if settings.metrics_port:

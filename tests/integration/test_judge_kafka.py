@@ -199,3 +199,38 @@ async def test_judge_that_is_a_provider_refuses_to_start():
                           text=True, timeout=60)
     assert proc.returncode == 2
     assert "refusing to start" in proc.stderr and "is provider 'dense-all'" in proc.stderr
+
+
+async def test_sampling_on_the_real_topic_judges_contested_and_counts_the_rest(kafka_bootstrap, redis_url):
+    import redis.asyncio as redis
+
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=_ns())
+    bus = Bus(kafka)
+    await bus.start((topic("traces"), topic("verdicts")))
+    calm = [judged_trace(f"calm-{i}", contested=False) for i in range(10)]
+    hot = [judged_trace(f"hot-{i}", contested=True) for i in range(2)]
+    try:
+        for t in calm + hot + calm:  # the calm ones twice: counted once
+            await bus.publish(topic("traces"), t)
+    finally:
+        await bus.stop()
+    settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), sample_rate=0.0,
+                             providers=TRACE_PROVIDERS, judge=LocalJudgeConfig())
+    backend = build_backend(settings.judge)
+    group = f"judge.{judge_key(backend, backend.rubric)}"
+    stop = asyncio.Event()
+    judging = asyncio.create_task(run_judge(settings, stop))
+    try:
+        await _wait(lambda: _group_caught_up(kafka, group), 120, "the judge to read every trace")
+    finally:
+        stop.set()
+        await judging
+    verdicts = await _verdicts(kafka)
+    assert sorted(v.trace_id for v in verdicts) == ["hot-0", "hot-1"]
+    assert {v.sampled_because for v in verdicts} == {"contested"}
+    client = redis.Redis.from_url(redis_url)
+    try:
+        key = f"fanroute:{kafka.topic_namespace}judge:{judge_key(backend, backend.rubric)}:unsampled"
+        assert await client.scard(key) == 10
+    finally:
+        await client.aclose()
