@@ -8,23 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import socket
-import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from services.common.errors import ConfigError
 from services.judge.backends.anthropic import AnthropicJudge
@@ -33,6 +25,7 @@ from services.judge.backends.openai import OpenAIJudge, seed_for
 from services.judge.base import BlindCandidate, JudgeFailed, JudgeRequest, Source
 from services.judge.rubric import SYSTEM, render_user
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
+from tests.http_fake import Reply, ScriptedServer
 
 KEY = "sk-judge-S3CRET+key/=="
 GOOD = '{"grades": {"A": 3, "B": 1, "C": 0}, "ranking": [["A"], ["B"], ["C"]]}'
@@ -55,85 +48,11 @@ def request(trace_id: str = "trace-1", attempt: int = 0) -> JudgeRequest:
 # ---- the fake server -----------------------------------------------------------------------
 
 
-@dataclass
-class Reply:
-    """One scripted answer: status, JSON body (or raw bytes), headers and an optional delay."""
-
-    status: int = 200
-    body: Any = None
-    raw: bytes | None = None
-    content_type: str = "application/json"
-    headers: dict[str, str] = field(default_factory=dict)
-    delay_s: float = 0.0
-
-    def encode(self) -> bytes:
-        return self.raw if self.raw is not None else json.dumps(self.body).encode()
-
-
-@dataclass
-class Received:
-    """One request as the server saw it."""
-
-    path: str
-    headers: dict[str, str]
-    raw: bytes
-
-    @property
-    def json(self) -> Any:
-        return json.loads(self.raw)
-
-
-class FakeLlmApis:
-    """A uvicorn server in a background thread; tests queue replies per path and read requests."""
+class FakeLlmApis(ScriptedServer):
+    """The scripted loopback server, OpenAI under ``/openai``, Anthropic under ``/anthropic``."""
 
     def __init__(self) -> None:
-        self.received: list[Received] = []
-        self.arrived = threading.Event()
-        self._script: dict[str, deque[Reply]] = {}
-        self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)  # connections wait here until uvicorn accepts: no start-up wait
-        self.port: int = self._sock.getsockname()[1]
-        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["POST"])])
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="fake-llm-apis", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
-
-    def url(self, prefix: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{prefix}"
-
-    def script(self, path: str, *replies: Reply) -> None:
-        with self._lock:
-            self._script.setdefault(path, deque()).extend(replies)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._script.clear()
-            self.received.clear()
-        self.arrived.clear()
-
-    async def _handle(self, request: Request) -> Response:
-        raw = await request.body()
-        with self._lock:
-            self.received.append(Received(request.url.path, dict(request.headers), raw))
-            queue = self._script.get(request.url.path)
-            reply = queue.popleft() if queue else Reply(599, {"fake": "no reply scripted"})
-        self.arrived.set()
-        if reply.delay_s:
-            await asyncio.sleep(reply.delay_s)
-        return Response(reply.encode(), status_code=reply.status, headers=reply.headers,
-                        media_type=reply.content_type)
+        super().__init__("fake-llm-apis")
 
 
 # ---- each API's documented formats ---------------------------------------------------------

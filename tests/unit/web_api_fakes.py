@@ -7,106 +7,26 @@ provider's ``base_url`` is ``http://127.0.0.1:<port>/<api>``.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import socket
-import threading
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
-
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from services.gateway.providers import config as c
 from services.gateway.providers import web
+from tests.http_fake import Reply, ScriptedServer
+
+__all__ = ["FakeApis", "Reply"]
 
 QUERY = "what is okapi bm25"
 
 
-@dataclass
-class Reply:
-    """One scripted answer: status, JSON body (or raw bytes), headers and an optional delay."""
-
-    status: int = 200
-    body: Any = None
-    raw: bytes | None = None
-    content_type: str = "application/json"
-    headers: dict[str, str] = field(default_factory=dict)
-    delay_s: float = 0.0
-
-    def encode(self) -> bytes:
-        return self.raw if self.raw is not None else json.dumps(self.body).encode()
-
-
-@dataclass
-class Received:
-    """One request as the fake server saw it."""
-
-    method: str
-    path: str
-    params: dict[str, str]
-    headers: dict[str, str]
-    json: Any
-
-
-class FakeApis:
-    """A uvicorn server in a background thread; tests queue replies per path and read requests."""
+class FakeApis(ScriptedServer):
+    """The scripted loopback server; each API under its own prefix (``/searxng``, ``/brave``, ...)."""
 
     def __init__(self) -> None:
-        self.received: list[Received] = []
-        self.arrived = threading.Event()
-        self._script: dict[str, deque[Reply]] = {}
-        self._lock = threading.Lock()
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)  # connections queue here until uvicorn accepts: no start-up wait
-        self.port: int = self._sock.getsockname()[1]
-        app = Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST"])])
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="fake-web-apis", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        super().__init__("fake-web-apis")
 
     def base_url(self, api: str) -> str:
-        return f"http://127.0.0.1:{self.port}/{api}"
-
-    def script(self, path: str, *replies: Reply) -> None:
-        """Queue ``replies`` for ``path`` (answered in order, one per request)."""
-        with self._lock:
-            self._script.setdefault(path, deque()).extend(replies)
-
-    def reset(self) -> None:
-        with self._lock:
-            self._script.clear()
-            self.received.clear()
-        self.arrived.clear()
-
-    async def _handle(self, request: Request) -> Response:
-        raw = await request.body()
-        body = json.loads(raw) if raw and "json" in request.headers.get("content-type", "") else None
-        with self._lock:
-            self.received.append(Received(request.method, request.url.path,
-                                          dict(request.query_params), dict(request.headers), body))
-            queue = self._script.get(request.url.path)
-            reply = queue.popleft() if queue else Reply(599, {"fake": "no reply scripted"})
-        self.arrived.set()
-        if reply.delay_s:
-            await asyncio.sleep(reply.delay_s)
-        return Response(reply.encode(), status_code=reply.status, headers=reply.headers,
-                        media_type=reply.content_type)
+        return self.url(api)
 
 
 # ---- each API's documented formats ---------------------------------------------------------

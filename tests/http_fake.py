@@ -1,0 +1,121 @@
+"""Real HTTP servers on loopback for tests: a uvicorn thread, and one that answers from a script.
+
+The listening socket is bound before the thread starts, so connections simply queue until
+uvicorn accepts them: no start-up wait, no sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+
+class LoopbackServer:
+    """A Starlette app served by uvicorn in a background thread on 127.0.0.1:<free port>."""
+
+    def __init__(self, app: Starlette, name: str = "fake-http") -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen(64)
+        self.port: int = self._sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name=name, daemon=True)
+
+    def url(self, prefix: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}/{prefix}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
+class Reply:
+    """One scripted answer: status, JSON body (or raw bytes), headers and an optional delay."""
+
+    status: int = 200
+    body: Any = None
+    raw: bytes | None = None
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+    delay_s: float = 0.0
+
+    def encode(self) -> bytes:
+        return self.raw if self.raw is not None else json.dumps(self.body).encode()
+
+
+@dataclass
+class Received:
+    """One request as the server saw it."""
+
+    method: str
+    path: str
+    params: dict[str, str]
+    headers: dict[str, str]
+    raw: bytes
+
+    @property
+    def json(self) -> Any:
+        """The body as JSON (None when there is no body)."""
+        return json.loads(self.raw) if self.raw else None
+
+
+class ScriptedServer(LoopbackServer):
+    """Answers each path with the replies queued for it, in order, and records every request."""
+
+    def __init__(self, name: str = "scripted-http") -> None:
+        self.received: list[Received] = []
+        self.arrived = threading.Event()
+        self._script: dict[str, deque[Reply]] = {}
+        self._lock = threading.Lock()
+        super().__init__(Starlette(routes=[Route("/{path:path}", self._handle, methods=["GET", "POST"])]),
+                         name)
+
+    def script(self, path: str, *replies: Reply) -> None:
+        """Queue ``replies`` for ``path`` (answered in order, one per request)."""
+        with self._lock:
+            self._script.setdefault(path, deque()).extend(replies)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._script.clear()
+            self.received.clear()
+        self.arrived.clear()
+
+    async def _handle(self, request: Request) -> Response:
+        raw = await request.body()
+        with self._lock:
+            self.received.append(Received(request.method, request.url.path, dict(request.query_params),
+                                          dict(request.headers), raw))
+            queue = self._script.get(request.url.path)
+            reply = queue.popleft() if queue else Reply(599, {"fake": "no reply scripted"})
+        self.arrived.set()
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
+        return Response(reply.encode(), status_code=reply.status, headers=reply.headers,
+                        media_type=reply.content_type)
