@@ -1,0 +1,1 @@
+"""The episode builder: judged traces become query-only episodes and replay tasks."""

@@ -1,0 +1,56 @@
+"""A judged trace as a query-only episode: the conversation and its named reward components."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import UTC, datetime
+
+from schemas.base import content_id
+from schemas.episode import ChatMessage, Episode, RewardComponent
+from schemas.trace import Trace
+from schemas.verdict import Verdict
+from services.common.ndcg import format_ordering, tie_aware_ndcg
+
+SYSTEM_TEMPLATE = (
+    "You route search queries to search providers. The providers are: {names}.\n"
+    "Read the user's query and answer with every provider, best first, in one line: names "
+    "separated by ' > ', equally good providers joined by ' = ' (for example: {example}). "
+    "Answer with that line only."
+)
+
+
+def system_prompt(providers: Iterable[str]) -> str:
+    """The system turn: the provider names to choose from, nothing about their answers."""
+    names = sorted(set(providers))
+    example = " > ".join(names[:2]) + (f" = {names[2]}" if len(names) > 2 else "")
+    return SYSTEM_TEMPLATE.format(names=", ".join(names), example=example)
+
+
+def episode_id(trace_id: str) -> str:
+    """One episode per trace: later verdicts add reward components to it."""
+    return content_id("episode", trace_id)
+
+
+def ndcg_component(ep_id: str, verdict: Verdict, tiers: tuple[tuple[str, ...], ...]) -> RewardComponent:
+    """Tie-aware nDCG of ``tiers`` against this verdict's grades, named after judge and rubric."""
+    grades = {g.provider: float(g.grade) for g in verdict.grades}
+    name = f"ndcg:{verdict.judge_model}:{verdict.rubric_hash[:8]}"
+    return RewardComponent(component_id=content_id(ep_id, name), name=name,
+                           value=round(tie_aware_ndcg(tiers, grades), 6), source=verdict.verdict_id)
+
+
+def build_episode(trace: Trace, verdict: Verdict, components: Iterable[RewardComponent] = (),
+                  *, now: datetime | None = None) -> Episode:
+    """The episode of ``trace``: its assistant turn is ``verdict``'s ordering; rewards = components."""
+    if verdict.status != "ok" or not verdict.ordering:
+        raise ValueError(f"verdict {verdict.verdict_id} has no ordering (status {verdict.status})")
+    ep_id = episode_id(trace.trace_id)
+    rewards = {c.name: c for c in components}
+    own = ndcg_component(ep_id, verdict, verdict.ordering)
+    rewards.setdefault(own.name, own)
+    return Episode(
+        episode_id=ep_id, trace_id=trace.trace_id, created_at=now or datetime.now(UTC),
+        messages=(ChatMessage(role="system", content=system_prompt(c.provider for c in trace.candidates)),
+                  ChatMessage(role="user", content=trace.query),
+                  ChatMessage(role="assistant", content=format_ordering(verdict.ordering))),
+        rewards=tuple(sorted(rewards.values(), key=lambda c: c.name)))
