@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from schemas.base import Message, decode
 from schemas.topics import TopicSpec
@@ -21,7 +21,14 @@ M = TypeVar("M", bound=Message)
 
 
 async def read_to_end(settings: KafkaSettings, name: str) -> AsyncIterator[bytes]:
-    """Every record value of topic ``name`` that exists now, partition by partition."""
+    """Every record value of topic ``name`` that exists now."""
+    async for rec in read_records_to_end(settings, name):
+        yield rec.value
+
+
+async def read_records_to_end(settings: KafkaSettings, name: str) -> AsyncIterator[Any]:
+    """Every record (aiokafka ConsumerRecord: value, key, timestamp, partition, offset) of
+    topic ``name`` that exists now; within a partition in offset order."""
     from aiokafka import AIOKafkaConsumer
 
     consumer = AIOKafkaConsumer(name, bootstrap_servers=settings.bootstrap_servers, group_id=None,
@@ -39,7 +46,7 @@ async def read_to_end(settings: KafkaSettings, name: str) -> AsyncIterator[bytes
             for tp, records in batch.items():
                 for rec in records:
                     if rec.offset < ends[tp]:
-                        yield rec.value
+                        yield rec
                 if await consumer.position(tp) >= ends[tp]:
                     left.discard(tp)
     finally:

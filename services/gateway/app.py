@@ -25,6 +25,7 @@ from services.gateway.fusion import FusedResult, rrf
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.providers.base import Provider
 from services.gateway.providers.registry import build_provider
+from services.gateway.push import push
 from services.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class Gateway:
     async def start(self) -> None:
         t0 = time.perf_counter()
         await asyncio.gather(*(p.start() for p in self.providers))
-        await self.bus.start((topic("traces"),))
+        await self.bus.start((topic("traces"), topic("episodes")))
         log.info("gateway ready in %.1fs with providers %s", time.perf_counter() - t0,
                  [p.name for p in self.providers])
 
@@ -144,7 +145,8 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
     app = FastAPI(title="fanroute gateway", version="0.1.0", lifespan=lifespan,
                   description="Fans each query out to every search provider and records a trace.")
     app.state.gateway = gw
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=gw.metrics)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=gw.metrics,
+                       per_path={"/v1/episodes": settings.max_push_bytes})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -178,6 +180,15 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
                         headers={TRACE_HEADER: "published" if published else "unpublished",
                                  "Server-Timing": timing})
 
+    @app.post("/v1/episodes", responses={
+        200: {"description": "Every line stored"},
+        207: {"description": "Some lines stored; a result per line with its status and reason"},
+        400: {"description": "No episode in the body"}, 413: {"description": "Too many bytes or lines"},
+        422: {"description": "No line was a valid episode"}})
+    async def push_episodes(request: Request) -> Any:
+        """JSONL, one Episode per line (the ``episodes`` topic's shape); valid lines are stored."""
+        return await push(gw, await request.body())
+
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "providers": [p.name for p in gw.providers],
@@ -195,18 +206,21 @@ def _error(status: int, error: str, reason: str) -> JSONResponse:
 
 
 class BodyLimit:
-    """Pure ASGI middleware: refuse bodies over ``max_bytes`` with 413 before reading them all."""
+    """Pure ASGI middleware: refuse bodies over the path's limit with 413 before reading them all."""
 
-    def __init__(self, app: Any, *, max_bytes: int, metrics: GatewayMetrics) -> None:
-        self.app, self.max_bytes, self.metrics = app, max_bytes, metrics
+    def __init__(self, app: Any, *, max_bytes: int, metrics: GatewayMetrics,
+                 per_path: dict[str, int] | None = None) -> None:
+        self.app, self.default, self.metrics = app, max_bytes, metrics
+        self.per_path = per_path or {}
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        max_bytes = self.per_path.get(scope.get("path", ""), self.default)
         length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
             self.metrics.rejected.labels("body_too_large").inc()
-            resp = _error(413, "body_too_large", f"request body over {self.max_bytes} bytes")
+            resp = _error(413, "body_too_large", f"request body over {max_bytes} bytes")
             return await resp(scope, receive, send)
         seen = 0
 
@@ -214,7 +228,7 @@ class BodyLimit:
             nonlocal seen
             msg = await receive()
             seen += len(msg.get("body", b""))
-            if seen > self.max_bytes:
+            if seen > max_bytes:
                 raise _TooLarge
             return msg
 
@@ -222,7 +236,7 @@ class BodyLimit:
             await self.app(scope, limited, send)
         except _TooLarge:
             self.metrics.rejected.labels("body_too_large").inc()
-            await _error(413, "body_too_large", f"request body over {self.max_bytes} bytes")(scope, receive, send)
+            await _error(413, "body_too_large", f"request body over {max_bytes} bytes")(scope, receive, send)
 
 
 class _TooLarge(Exception):

@@ -47,7 +47,11 @@ class GatewaySettings(ServiceSettings):
     contested_threshold: float = Field(default=0.1, ge=0, le=1,
                                        description="Mean citation overlap below this is contested")
     max_query_chars: int = Field(default=2048, ge=1, le=4096, description="Longest accepted query")
-    max_body_bytes: int = Field(default=65_536, ge=1024, le=10_000_000, description="Largest request body")
+    max_body_bytes: int = Field(default=65_536, ge=1024, le=10_000_000, description="Largest search body")
+    max_push_bytes: int = Field(default=8_000_000, ge=1024, le=100_000_000,
+                                description="Largest POST /v1/episodes body")
+    max_push_lines: int = Field(default=5_000, ge=1, le=1_000_000, description="Most episodes per push")
+    max_line_bytes: int = Field(default=262_144, ge=256, le=10_000_000, description="Largest single episode")
     fused_limit: int = Field(default=10, ge=1, le=100, description="Results in the fused list")
     rrf_k: int = Field(default=60, ge=1, le=1000, description="Reciprocal-rank fusion constant")
 

@@ -1,0 +1,106 @@
+"""The episode builder: ``traces`` + ``verdicts`` (joined by trace id, in either order) →
+``episodes`` and ``tasks``.
+
+Idempotent: each (episode, verdict) pair is produced once — a Redis key marks it after publishing,
+and at start the builder re-reads the ``episodes`` topic and marks every pair already there. A
+second verdict for a trace (new judge or rubric) re-publishes the episode with its reward
+component added beside the others; the first verdict's ordering stays the assistant turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import CollectorRegistry, Counter
+
+from schemas.base import content_id, decode
+from schemas.episode import Episode
+from schemas.topics import topic
+from schemas.trace import Trace
+from schemas.verdict import Verdict
+from services.common.bus import Bus
+from services.common.errors import SchemaError
+from services.common.idempotency import KeyStore
+from services.common.replay_topic import read_to_end
+from services.common.settings import KafkaSettings
+from services.episodes.build import build_episode, episode_id, ndcg_component
+from services.episodes.state import JoinStore
+from services.episodes.tasks import build_task
+
+log = logging.getLogger(__name__)
+
+
+def emitted_key(ep_id: str, verdict_id: str) -> str:
+    return content_id("emitted", ep_id, verdict_id)
+
+
+class BuilderMetrics:
+    """Episodes and tasks produced, verdicts waiting or skipped."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.episodes = Counter("fanroute_episodes_published", "Episode records published", registry=self.registry)
+        self.tasks = Counter("fanroute_tasks_published", "Replay tasks published", registry=self.registry)
+        self.waiting = Counter("fanroute_episodes_verdicts_waiting", "Verdicts that arrived before their trace",
+                               registry=self.registry)
+        self.skipped = Counter("fanroute_episodes_verdicts_skipped", "Failed verdicts (no ordering)",
+                               registry=self.registry)
+
+
+class EpisodeBuilder:
+    """Joins traces and verdicts and publishes episodes and replay tasks."""
+
+    def __init__(self, bus: Bus, state: JoinStore, done: KeyStore) -> None:
+        self.bus, self.state, self.done = bus, state, done
+        self.metrics = BuilderMetrics()
+        # One join at a time in this process: a trace and its verdict handled concurrently could
+        # each miss the other. (Run one replica; see the README.)
+        self._lock = asyncio.Lock()
+
+    async def on_trace(self, trace: Trace) -> None:
+        async with self._lock:
+            await self.state.put_trace(trace)
+            for verdict in await self.state.take_pending(trace.trace_id):
+                await self._emit(trace, verdict)
+
+    async def on_verdict(self, verdict: Verdict) -> None:
+        if verdict.status != "ok" or not verdict.ordering:
+            self.metrics.skipped.inc()
+            return
+        async with self._lock:
+            trace = await self.state.get_trace(verdict.trace_id)
+            if trace is None:
+                self.metrics.waiting.inc()
+                await self.state.add_pending(verdict)
+                return
+            await self._emit(trace, verdict)
+
+    async def _emit(self, trace: Trace, verdict: Verdict) -> None:
+        ep_id = episode_id(trace.trace_id)
+        key = emitted_key(ep_id, verdict.verdict_id)
+        if await self.done.seen(key):
+            return
+        primary = await self.state.set_primary(ep_id, verdict)
+        comps = await self.state.add_component(ep_id, ndcg_component(ep_id, verdict, primary.ordering))
+        episode = build_episode(trace, primary, comps)
+        await self.bus.publish(topic("episodes"), episode)
+        self.metrics.episodes.inc()
+        await self.bus.publish(topic("tasks"), build_task(trace, verdict))
+        self.metrics.tasks.inc()
+        await self.done.mark(key)
+
+    async def reconcile(self, kafka: KafkaSettings) -> int:
+        """Mark every (episode, verdict) already on the episodes topic; returns how many."""
+        if self.bus.in_memory:
+            return 0
+        n = 0
+        async for raw in read_to_end(kafka, self.bus.name(topic("episodes"))):
+            try:
+                ep = decode(Episode, raw)
+            except SchemaError:
+                continue
+            for comp in ep.rewards:
+                await self.done.mark(emitted_key(ep.episode_id, comp.source))
+                n += 1
+        return n
