@@ -39,9 +39,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("action", choices=["up", "down", "status", "prepare"])
 
     sub.add_parser("judge", help="run the judge worker (same as python -m services.judge)")
+    from services.episodes.cli import add_parser as add_episodes
     from services.judge.cli import add_parser as add_calibrate
 
     add_calibrate(sub)
+    add_episodes(sub)
     return p
 
 
@@ -57,7 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         from services.judge.__main__ import main as judge_main
 
         return judge_main()
+    if args.cmd == "episodes":
+        from services.episodes.__main__ import main as episodes_main
+
+        return episodes_main()
     setup_logging("WARNING")
+    if args.cmd in ("dataset", "tasks"):
+        from services.episodes.cli import run as episodes_cli
+
+        return episodes_cli(args)
     if args.cmd == "calibrate":
         from services.judge.cli import run as calibrate
 

@@ -1,0 +1,185 @@
+"""Episodes on real Kafka and Redis: the running pipeline (gateway → judge → builder) yields
+episodes, ATIF files and replay tasks; the builder survives kill -9; datasets as of T reproduce."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import pytest
+
+from schemas import Episode, Task, topic
+from services.common.bus import Bus
+from services.common.replay_topic import read_to_end
+from services.common.settings import KafkaSettings, RedisSettings
+from services.episodes.__main__ import run as run_builder
+from services.episodes.atif import write_atif
+from services.episodes.dataset import dataset_as_of, write_jsonl
+from services.episodes.settings import EpisodeSettings
+from services.episodes.tasks import write_task
+from services.episodes.verifier import run_verifier
+from services.gateway.app import build_gateway, create_app
+from services.gateway.providers.config import BM25Config
+from services.gateway.settings import GatewaySettings
+from services.judge.__main__ import run as run_judge
+from services.judge.settings import JudgeSettings
+from services.judge.settings_local import LocalJudgeConfig
+from tests.episode_fakes import verdict_for
+from tests.judge_fakes import judged_trace
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def _all(kafka: KafkaSettings, name: str, model):
+    from schemas.base import decode
+
+    return [decode(model, raw) async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{name}")]
+
+
+async def _until(fn, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = await fn()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+
+
+def _kafka(bootstrap: str) -> KafkaSettings:
+    return KafkaSettings(bootstrap_servers=bootstrap, topic_namespace=f"e{uuid.uuid4().hex[:8]}.")
+
+
+@pytest.mark.slow
+async def test_gateway_judge_builder_pipeline_yields_episodes_atif_and_tasks(kafka_bootstrap, redis_url, tmp_path):
+    kafka = _kafka(kafka_bootstrap)
+    redis = RedisSettings(url=redis_url)
+    providers = [BM25Config(name="bm25-small", collections=("adi", "med")),
+                 BM25Config(name="med-only", collections=("med",)),
+                 BM25Config(name="adi-only", collections=("adi",))]
+    stop = asyncio.Event()
+    services = [asyncio.create_task(run_judge(JudgeSettings(kafka=kafka, redis=redis, sample_rate=1.0,
+                                                            providers=providers,
+                                                            judge=LocalJudgeConfig()), stop)),
+                asyncio.create_task(run_builder(EpisodeSettings(kafka=kafka, redis=redis), stop))]
+    gw_settings = GatewaySettings(kafka=kafka, providers=providers)
+    gw = build_gateway(gw_settings)
+    await gw.start()
+    queries = {"med/1": "the crystalline lens in vertebrates, including humans",
+               "adi/1": "What problems and concerns are there in making up descriptive titles?"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(gw_settings, gateway=gw)),
+                                     base_url="http://gw") as client:
+            for qid, q in queries.items():
+                assert (await client.post("/v1/search", json={"query": q, "query_id": qid})).status_code == 200
+        episodes = await _until(lambda: _n(kafka, "episodes", Episode, 2), 180, "two episodes")
+        tasks = await _until(lambda: _n(kafka, "tasks", Task, 2), 60, "two tasks")
+    finally:
+        await gw.stop()
+        stop.set()
+        await asyncio.gather(*services)
+    assert {e.messages[1].content for e in episodes} == set(queries.values())
+    for ep in episodes:
+        assert ep.messages[0].role == "system" and "bm25-small" in ep.messages[0].content
+        assert ep.rewards and ep.rewards[0].name.startswith("ndcg:local-lexical")
+        path = write_atif(ep, tmp_path / "atif")
+        assert json.loads(path.read_text())["session_id"] == ep.episode_id
+    for task in tasks:
+        task_dir = write_task(task, tmp_path / "tasks")
+        [ep] = [e for e in episodes if e.trace_id == task.trace_id]
+        result = run_verifier(task_dir, ep.messages[2].content)  # the judge's own ordering
+        assert result.source == "reward.txt" and not result.flagged
+        assert result.reward == pytest.approx(ep.rewards[0].value)
+        assert run_verifier(task_dir, "nonsense > answer").reward == 0.0
+
+
+async def _n(kafka, name, model, n):
+    got = await _all(kafka, name, model)
+    return got if len(got) >= n else None
+
+
+def _spawn(kafka: KafkaSettings, redis_url: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+           "FANROUTE_KAFKA__TOPIC_NAMESPACE": kafka.topic_namespace, "FANROUTE_REDIS__URL": redis_url,
+           "FANROUTE_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen([sys.executable, "-m", "services.episodes"], cwd=ROOT, env=env)
+
+
+@pytest.mark.slow
+async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_bootstrap, redis_url):
+    kafka = _kafka(kafka_bootstrap)
+    bus = Bus(kafka)
+    await bus.start(tuple(topic(n) for n in ("traces", "verdicts", "episodes", "tasks")))
+    n = 60
+    try:
+        for i in range(n):  # half the verdicts arrive before their trace
+            if i % 2:
+                await bus.publish(topic("verdicts"), verdict_for(f"t{i:03d}"))
+        for i in range(n):
+            await bus.publish(topic("traces"), judged_trace(f"t{i:03d}"))
+        for i in range(0, n, 2):
+            await bus.publish(topic("verdicts"), verdict_for(f"t{i:03d}"))
+        first = _spawn(kafka, redis_url)
+        try:
+            await _until(lambda: _n(kafka, "episodes", Episode, 5), 120, "5 episodes before the kill")
+        finally:
+            first.send_signal(signal.SIGKILL)
+            first.wait(timeout=10)
+        second = _spawn(kafka, redis_url)
+        try:
+            episodes = await _until(lambda: _n(kafka, "episodes", Episode, n), 180, "every episode")
+            tasks = await _until(lambda: _n(kafka, "tasks", Task, n), 60, "every task")
+            for i in range(n):  # a replay of every verdict: nothing new may appear
+                await bus.publish(topic("verdicts"), verdict_for(f"t{i:03d}"))
+            await bus.publish(topic("traces"), judged_trace("sentinel"))
+            await bus.publish(topic("verdicts"), verdict_for("sentinel"))
+            await _until(lambda: _n(kafka, "episodes", Episode, n + 1), 120, "the sentinel's episode")
+        finally:
+            second.terminate()
+            second.wait(timeout=20)
+    finally:
+        await bus.stop()
+    episodes = await _all(kafka, "episodes", Episode)
+    ids = [e.episode_id for e in episodes]
+    assert len(ids) == len(set(ids)) == n + 1  # nothing lost, nothing duplicated, replay ignored
+    assert len({t.task_id for t in tasks}) == len(tasks) == n
+
+
+async def test_dataset_as_of_is_reproducible_byte_for_byte(kafka_bootstrap, tmp_path):
+    kafka = _kafka(kafka_bootstrap)
+    bus = Bus(kafka)
+    await bus.start((topic("episodes"),))
+    from tests.factories import all_examples
+
+    base = next(m for m in all_examples() if isinstance(m, Episode))
+    try:
+        for i in range(5):
+            await bus.publish(topic("episodes"), base.model_copy(update={"episode_id": f"e{4 - i}"}))
+        as_of = datetime.now(UTC)
+        while datetime.now(UTC).timestamp() * 1000 < as_of.timestamp() * 1000 + 2:
+            await asyncio.sleep(0.001)  # record timestamps are whole ms: the next ones must land after T
+        first = write_jsonl(await dataset_as_of(kafka, as_of), tmp_path / "a.jsonl")
+        extra = base.rewards[0].model_copy(update={"component_id": "c2", "name": "ndcg:other"})
+        for i in range(3):  # more episodes, and a new component for an old one, after T
+            await bus.publish(topic("episodes"), base.model_copy(update={"episode_id": f"later{i}"}))
+        await bus.publish(topic("episodes"), base.model_copy(update={"episode_id": "e0",
+                                                                     "rewards": base.rewards + (extra,)}))
+        again = write_jsonl(await dataset_as_of(kafka, as_of), tmp_path / "b.jsonl")
+        now = await dataset_as_of(kafka, datetime.now(UTC))
+    finally:
+        await bus.stop()
+    assert first.read_bytes() == again.read_bytes()
+    assert [json.loads(line)["episode_id"] for line in first.read_text().splitlines()] == [f"e{i}" for i in range(5)]
+    assert len(now) == 8
+    assert {c.name for c in next(e for e in now if e.episode_id == "e0").rewards} == {"ndcg", "ndcg:other"}

@@ -1,0 +1,84 @@
+"""The episode builder on the in-memory bus: joins in either order, idempotent, additive rewards."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas import Episode, Task, topic
+from services.common.bus import Bus
+from services.common.idempotency import MemoryKeyStore
+from services.common.ndcg import parse_ordering
+from services.common.settings import KafkaSettings
+from services.episodes.build import episode_id, system_prompt
+from services.episodes.state import MemoryJoinStore
+from services.episodes.worker import EpisodeBuilder
+from tests.episode_fakes import verdict_for
+from tests.judge_fakes import judged_trace
+
+
+@pytest.fixture
+async def builder():
+    bus = Bus(KafkaSettings(bootstrap_servers="memory://"))
+    episodes: list[Episode] = []
+    tasks: list[Task] = []
+
+    async def on_ep(e: Episode) -> None:
+        episodes.append(e)
+
+    async def on_task(t: Task) -> None:
+        tasks.append(t)
+
+    bus.subscribe(topic("episodes"), on_ep, group_id="t")
+    bus.subscribe(topic("tasks"), on_task, group_id="t")
+    await bus.start()
+    yield EpisodeBuilder(bus, MemoryJoinStore(), MemoryKeyStore()), episodes, tasks
+    await bus.stop()
+
+
+async def test_trace_then_verdict_makes_a_query_only_episode_and_a_task(builder):
+    b, episodes, tasks = builder
+    t = judged_trace("t1")
+    await b.on_trace(t)
+    assert episodes == []
+    await b.on_verdict(verdict_for("t1"))
+    [ep] = episodes
+    assert ep.episode_id == episode_id("t1") and ep.trace_id == "t1"
+    system, user, assistant = ep.messages
+    assert system.content == system_prompt(["bm25-all", "dense-all", "eng-bm25", "lib-bm25"])
+    assert "excellent" not in system.content and user.content == t.query  # names only, no answers
+    assert parse_ordering(assistant.content) == (("bm25-all", "eng-bm25"), ("dense-all",), ("lib-bm25",))
+    [reward] = ep.rewards
+    assert reward.name == "ndcg:judge-a:rubric-1" and reward.value == 1.0
+    assert len(tasks) == 1 and tasks[0].trace_id == "t1"
+
+
+async def test_verdict_before_trace_joins_when_the_trace_arrives(builder):
+    b, episodes, _ = builder
+    await b.on_verdict(verdict_for("t2"))
+    assert episodes == []
+    await b.on_trace(judged_trace("t2"))
+    assert [e.trace_id for e in episodes] == ["t2"]
+
+
+async def test_replays_produce_nothing_new_and_a_new_rubric_adds_a_component(builder):
+    b, episodes, tasks = builder
+    await b.on_trace(judged_trace("t3"))
+    await b.on_verdict(verdict_for("t3"))
+    await b.on_verdict(verdict_for("t3"))
+    await b.on_trace(judged_trace("t3"))
+    assert len(episodes) == 1 and len(tasks) == 1
+    await b.on_verdict(verdict_for("t3", rubric="rubric-2", grades={"bm25-all": 0, "dense-all": 3,
+                                                                   "eng-bm25": 1, "lib-bm25": 0}))
+    first, second = episodes
+    assert second.messages == first.messages  # the first verdict's ordering stays the answer
+    rewards = {c.name: c.value for c in second.rewards}
+    assert rewards["ndcg:judge-a:rubric-1"] == 1.0
+    assert 0 < rewards["ndcg:judge-a:rubric-2"] < 1.0  # scored against the new grades, beside the old
+    assert {c.component_id for c in first.rewards} < {c.component_id for c in second.rewards}
+
+
+async def test_failed_verdicts_are_skipped(builder):
+    b, episodes, _ = builder
+    await b.on_trace(judged_trace("t4"))
+    await b.on_verdict(verdict_for("t4", status="failed"))
+    assert episodes == [] and b.metrics.skipped._value.get() == 1
