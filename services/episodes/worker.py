@@ -46,6 +46,8 @@ class BuilderMetrics:
                                registry=self.registry)
         self.skipped = Counter("fanroute_episodes_verdicts_skipped", "Failed verdicts (no ordering)",
                                registry=self.registry)
+        self.no_task = Counter("fanroute_tasks_not_built", "Judged traces no replay could score",
+                               registry=self.registry)
 
 
 class EpisodeBuilder:
@@ -84,10 +86,17 @@ class EpisodeBuilder:
         primary = await self.state.set_primary(ep_id, verdict)
         comps = await self.state.add_component(ep_id, ndcg_component(ep_id, verdict, primary.ordering))
         episode = build_episode(trace, primary, comps)
+        try:
+            task = build_task(trace, verdict)
+        except ValueError as exc:  # e.g. every grade 0: nothing a replay could score
+            log.info("no replay task for trace %s: %s", trace.trace_id, exc)
+            self.metrics.no_task.inc()
+            task = None
         await self.bus.publish(topic("episodes"), episode)
         self.metrics.episodes.inc()
-        await self.bus.publish(topic("tasks"), build_task(trace, verdict))
-        self.metrics.tasks.inc()
+        if task is not None:
+            await self.bus.publish(topic("tasks"), task)
+            self.metrics.tasks.inc()
         await self.done.mark(key)
 
     async def reconcile(self, kafka: KafkaSettings) -> int:

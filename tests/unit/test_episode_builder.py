@@ -82,3 +82,10 @@ async def test_failed_verdicts_are_skipped(builder):
     await b.on_trace(judged_trace("t4"))
     await b.on_verdict(verdict_for("t4", status="failed"))
     assert episodes == [] and b.metrics.skipped._value.get() == 1
+
+
+async def test_a_verdict_no_replay_could_score_still_makes_an_episode_but_no_task(builder):
+    b, episodes, tasks = builder
+    await b.on_trace(judged_trace("t5"))
+    await b.on_verdict(verdict_for("t5", grades={"bm25-all": 0, "dense-all": 0, "eng-bm25": 0, "lib-bm25": 0}))
+    assert len(episodes) == 1 and tasks == [] and b.metrics.no_task._value.get() == 1
