@@ -42,8 +42,11 @@ def _parser() -> argparse.ArgumentParser:
     from services.episodes.cli import add_parser as add_episodes
     from services.judge.cli import add_parser as add_calibrate
 
+    from services.importer.run import add_parser as add_import
+
     add_calibrate(sub)
     add_episodes(sub)
+    add_import(sub)
     return p
 
 
@@ -64,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return episodes_main()
     setup_logging("WARNING")
+    if args.cmd == "import":
+        from services.importer.run import run as import_run
+
+        return import_run(args)
     if args.cmd in ("dataset", "tasks"):
         from services.episodes.cli import run as episodes_cli
 

@@ -26,8 +26,13 @@ class JoinStore(abc.ABC):
         """Keep a verdict whose trace has not arrived yet."""
 
     @abc.abstractmethod
-    async def take_pending(self, trace_id: str) -> list[Verdict]:
-        """The verdicts waiting for ``trace_id`` (and forget them)."""
+    async def pending(self, trace_id: str) -> list[Verdict]:
+        """The verdicts waiting for ``trace_id`` (kept until :meth:`drop_pending`)."""
+
+    @abc.abstractmethod
+    async def drop_pending(self, trace_id: str, verdict_ids: list[str]) -> None:
+        """Forget verdicts once their episode is out (after, not before: a crash in between
+        must leave them to be joined again)."""
 
     @abc.abstractmethod
     async def set_primary(self, episode_id: str, verdict: Verdict) -> Verdict:
@@ -46,7 +51,7 @@ class MemoryJoinStore(JoinStore):
 
     def __init__(self) -> None:
         self.traces: dict[str, Trace] = {}
-        self.pending: dict[str, list[Verdict]] = {}
+        self.waiting: dict[str, list[Verdict]] = {}
         self.primary: dict[str, Verdict] = {}
         self.components: dict[str, dict[str, RewardComponent]] = {}
 
@@ -57,10 +62,17 @@ class MemoryJoinStore(JoinStore):
         return self.traces.get(trace_id)
 
     async def add_pending(self, verdict: Verdict) -> None:
-        self.pending.setdefault(verdict.trace_id, []).append(verdict)
+        self.waiting.setdefault(verdict.trace_id, []).append(verdict)
 
-    async def take_pending(self, trace_id: str) -> list[Verdict]:
-        return self.pending.pop(trace_id, [])
+    async def pending(self, trace_id: str) -> list[Verdict]:
+        return list(self.waiting.get(trace_id, []))
+
+    async def drop_pending(self, trace_id: str, verdict_ids: list[str]) -> None:
+        left = [v for v in self.waiting.get(trace_id, []) if v.verdict_id not in verdict_ids]
+        if left:
+            self.waiting[trace_id] = left
+        else:
+            self.waiting.pop(trace_id, None)
 
     async def set_primary(self, episode_id: str, verdict: Verdict) -> Verdict:
         return self.primary.setdefault(episode_id, verdict)
@@ -91,11 +103,13 @@ class RedisJoinStore(JoinStore):
     async def add_pending(self, verdict: Verdict) -> None:
         await self.r.hset(f"{self.p}:pending:{verdict.trace_id}", verdict.verdict_id, verdict.to_bytes())
 
-    async def take_pending(self, trace_id: str) -> list[Verdict]:
-        key = f"{self.p}:pending:{trace_id}"
-        async with self.r.pipeline(transaction=True) as pipe:
-            raw, _ = await pipe.hgetall(key).delete(key).execute()
+    async def pending(self, trace_id: str) -> list[Verdict]:
+        raw = await self.r.hgetall(f"{self.p}:pending:{trace_id}")
         return [decode(Verdict, v) for _, v in sorted(raw.items())]
+
+    async def drop_pending(self, trace_id: str, verdict_ids: list[str]) -> None:
+        if verdict_ids:
+            await self.r.hdel(f"{self.p}:pending:{trace_id}", *verdict_ids)
 
     async def set_primary(self, episode_id: str, verdict: Verdict) -> Verdict:
         key = f"{self.p}:primary:{episode_id}"

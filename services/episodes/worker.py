@@ -2,7 +2,9 @@
 ``episodes`` and ``tasks``.
 
 Idempotent: each (episode, verdict) pair is produced once — a Redis key marks it after publishing,
-and at start the builder re-reads the ``episodes`` topic and marks every pair already there. A
+and at start the builder re-reads the ``episodes`` topic and marks every pair already there. Tasks
+are at least once: a crash between a task and its episode repeats the task record, with the same
+content-derived ``task_id``. A
 second verdict for a trace (new judge or rubric) re-publishes the episode with its reward
 component added beside the others; the first verdict's ordering stays the assistant turn.
 """
@@ -63,8 +65,10 @@ class EpisodeBuilder:
     async def on_trace(self, trace: Trace) -> None:
         async with self._lock:
             await self.state.put_trace(trace)
-            for verdict in await self.state.take_pending(trace.trace_id):
+            waiting = await self.state.pending(trace.trace_id)
+            for verdict in waiting:
                 await self._emit(trace, verdict)
+            await self.state.drop_pending(trace.trace_id, [v.verdict_id for v in waiting])
 
     async def on_verdict(self, verdict: Verdict) -> None:
         if verdict.status != "ok" or not verdict.ordering:
@@ -92,11 +96,14 @@ class EpisodeBuilder:
             log.info("no replay task for trace %s: %s", trace.trace_id, exc)
             self.metrics.no_task.inc()
             task = None
-        await self.bus.publish(topic("episodes"), episode)
-        self.metrics.episodes.inc()
+        # The task first: reconcile() trusts the episodes topic, so a crash between the two
+        # publishes re-emits both (the task again with the same content-derived id) rather than
+        # losing the task.
         if task is not None:
             await self.bus.publish(topic("tasks"), task)
             self.metrics.tasks.inc()
+        await self.bus.publish(topic("episodes"), episode)
+        self.metrics.episodes.inc()
         await self.done.mark(key)
 
     async def reconcile(self, kafka: KafkaSettings) -> int:

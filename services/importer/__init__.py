@@ -1,0 +1,1 @@
+"""``fanroute import``: conversation logs from other products' exports become redacted episodes."""
