@@ -89,7 +89,7 @@ async def _demo(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
     finally:
         server.should_exit = True
         await serving
-    verdicts = await _judge(kafka, redis_url, traces, settings.providers)
+    verdicts = await _judge(kafka, redis_url, traces, settings.providers, opts.out_dir)
     return code if len(verdicts) == sum(_sampled(t) for t in traces) else 1
 
 
@@ -131,11 +131,14 @@ def _sampled(trace: Trace) -> bool:
     return sample_reason(trace, JudgeSettings.model_fields["sample_rate"].default) is not None
 
 
-async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], providers) -> list:
-    """Run the judge worker on the topic until this run's sampled traces have verdicts."""
+async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], providers, out_dir: Path) -> list:
+    """Run the judge worker and the episode builder on the topics until this run's sampled
+    traces have verdicts; then show the episodes, ATIF files and replay tasks they became."""
     from schemas import Verdict, topic
     from services.common.bus import ensure_topics
     from services.common.settings import RedisSettings
+    from services.episodes.__main__ import run as run_builder
+    from services.episodes.settings import EpisodeSettings
     from services.common.replay_topic import read_messages
     from services.judge.__main__ import guard, run
     from services.judge.calibrate import against_qrels
@@ -150,26 +153,70 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
     print(f"[6/6] judging: {len(wanted)} of {len(traces)} traces sampled (every contested one, "
           f"{settings.sample_rate:.0%} of the rest) by {backend.identity.model}", flush=True)
     since = min((t.received_at for t in traces), default=None)
-    await ensure_topics(kafka, [("verdicts", topic("verdicts"))])  # before reading: no auto-created topic
+    await ensure_topics(kafka, [(n, topic(n)) for n in ("verdicts", "episodes", "tasks")])  # before reading
     stop = asyncio.Event()
     worker = asyncio.create_task(run(settings, stop))
+    builder = asyncio.create_task(run_builder(EpisodeSettings(kafka=kafka, redis=settings.redis), stop))
     got: dict[str, Verdict] = {}
     try:
-        async with asyncio.timeout(180):
-            async for v in read_messages(kafka, topic("verdicts"), Verdict, idle_s=180, since=since):
-                if v.verdict_id in wanted:
-                    got[v.verdict_id] = v
-                    if len(got) <= 3:
-                        tqdm.write(f"  {v.trace_id[:12]} {v.sampled_because:<9} " + " > ".join(
-                            " = ".join(tier) for tier in v.ordering))
-                if len(got) == len(wanted):
-                    break
-    except TimeoutError:
-        print(f"      only {len(got)} of {len(wanted)} verdicts arrived within 180 s")
+        try:
+            async with asyncio.timeout(180):
+                async for v in read_messages(kafka, topic("verdicts"), Verdict, idle_s=180, since=since):
+                    if v.verdict_id in wanted:
+                        got[v.verdict_id] = v
+                        if len(got) <= 3:
+                            tqdm.write(f"  {v.trace_id[:12]} {v.sampled_because:<9} " + " > ".join(
+                                " = ".join(tier) for tier in v.ordering))
+                    if len(got) == len(wanted):
+                        break
+        except TimeoutError:
+            print(f"      only {len(got)} of {len(wanted)} verdicts arrived within 180 s")
+        n_ok = sum(v.status == "ok" for v in got.values())
+        episodes, tasks = await _episodes(kafka, {t.trace_id for t in traces}, n_ok, out_dir)
     finally:
         stop.set()
         await worker
+        await builder
     judged = {v.trace_id: v.ordering for v in got.values() if v.status == "ok"}
     report = against_qrels([t for t in traces if t.trace_id in judged], judged)
     print(render_report(report, f"{len(got)} verdicts on the topic; the judge vs the human qrels"))
+    print(f"episodes: {len(episodes)} (dataset + ATIF in {out_dir / 'episodes'}); replay tasks: {len(tasks)} "
+          f"(in {out_dir / 'tasks'})")
+    if tasks:
+        from services.episodes.verifier import run_verifier
+
+        task_dir, answer = tasks[0]
+        result = run_verifier(task_dir, answer)
+        print(f"  local verifier on {task_dir.name[:12]} with the judge's ordering: reward {result.reward} "
+              f"({result.source})")
     return list(got.values())
+
+
+async def _episodes(kafka: KafkaSettings, trace_ids: set[str], n: int, out_dir: Path):
+    """Wait for this run's ``n`` episodes and their tasks; write the dataset, ATIF files and tasks."""
+    from schemas import Episode, Task, topic
+    from services.common.replay_topic import read_messages
+    from services.episodes.atif import write_atif
+    from services.episodes.dataset import write_jsonl
+    from services.episodes.tasks import write_task
+
+    episodes: dict[str, Episode] = {}
+    try:
+        async with asyncio.timeout(120):
+            async for ep in read_messages(kafka, topic("episodes"), Episode, idle_s=120):
+                if ep.trace_id in trace_ids:
+                    episodes[ep.episode_id] = ep
+                if len(episodes) >= n:
+                    break
+    except TimeoutError:
+        print(f"      only {len(episodes)} of {n} episodes arrived within 120 s")
+    eps = [episodes[k] for k in sorted(episodes)]
+    write_jsonl(eps, out_dir / "episodes" / "episodes.jsonl")
+    for ep in eps:
+        write_atif(ep, out_dir / "episodes" / "atif")
+    answers = {ep.trace_id: ep.messages[2].content for ep in eps}
+    tasks = []
+    async for task in read_messages(kafka, topic("tasks"), Task, idle_s=3):
+        if task.trace_id in answers:
+            tasks.append((write_task(task, out_dir / "tasks"), answers[task.trace_id]))
+    return eps, tasks
