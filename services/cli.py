@@ -43,10 +43,14 @@ def _parser() -> argparse.ArgumentParser:
     from services.judge.cli import add_parser as add_calibrate
 
     from services.importer.run import add_parser as add_import
+    from services.publisher.export import add_parser as add_export
 
     add_calibrate(sub)
     add_episodes(sub)
     add_import(sub)
+    ad = sub.add_parser("adapters", help="published adapters: export as a PEFT dir or a merged model")
+    add_export(ad.add_subparsers(dest="action", required=True))
+    sub.add_parser("publisher", help="serve the adapter publisher (same as python -m services.publisher)")
     return p
 
 
@@ -67,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
 
         return episodes_main()
     setup_logging("WARNING")
+    if args.cmd == "publisher":
+        from services.publisher.__main__ import main as publisher_main
+
+        return publisher_main()
+    if args.cmd == "adapters":
+        from services.publisher.export import run as export_run
+
+        return export_run(args)
     if args.cmd == "import":
         from services.importer.run import run as import_run
 

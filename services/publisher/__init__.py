@@ -1,0 +1,1 @@
+"""The adapter publisher: content-addressed adapter files over HTTP, version stamps, ``adapters`` topic."""

@@ -1,0 +1,356 @@
+"""The publisher's HTTP service: adapter files by content hash, versions, promotion, serving reports.
+
+Each new version bumps the Redis version stamp and is announced on the ``adapters`` topic
+(acks=all); consumers pull the files over HTTP from the manifest URL in the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Path as PathParam, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas.adapter import AdapterPublished
+from schemas.topics import topic
+from services.common.bus import Bus
+from services.common.errors import BusError
+from services.publisher.settings import PublisherSettings
+from services.publisher.store import (
+    MODEL_ID_PATTERN, BlobStore, Manifest, ManifestStore, MissingBlobs, NotFound, PublisherError,
+    StampStore, check_adapter_files, content_key, retention_victims, stamp_key, stamp_store,
+)
+
+log = logging.getLogger(__name__)
+ModelId = PathParam(pattern=MODEL_ID_PATTERN, description="The router's model id")
+
+
+class Unavailable(PublisherError):
+    """Kafka did not ack the announcement; what was stored stays stored and a retry re-announces."""
+
+    status, error = 503, "bus_unavailable"
+
+
+class VersionRequest(BaseModel):
+    """A new adapter version: the blobs it consists of (uploaded before) and how it scored."""
+
+    model_config = ConfigDict(extra="forbid")
+    base_model: str = Field(min_length=1, max_length=512, description="Base model the LoRA applies to")
+    files: dict[str, str] = Field(min_length=1, max_length=32, description="File name → sha256 of its blob")
+    metrics: dict[str, float] = Field(default_factory=dict, max_length=256, description="Eval metrics")
+    run_id: str | None = Field(default=None, min_length=1, max_length=256, description="Trainer run id")
+
+
+class PromoteRequest(BaseModel):
+    """Which version becomes the one the gateway routes with."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1, description="An existing version")
+
+
+class ServingReport(BaseModel):
+    """A sampler's heartbeat: it serves ``version`` of ``model_id`` (pins it against retention)."""
+
+    model_config = ConfigDict(extra="forbid")
+    sampler_id: str = Field(min_length=1, max_length=256, pattern=r"^[^\s:]+$", description="Sampler id")
+    model_id: str = Field(pattern=MODEL_ID_PATTERN, description="The model id it serves")
+    version: int = Field(ge=1, description="The version it serves")
+
+
+class PublisherMetrics:
+    """Prometheus counters of one publisher."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        c = lambda name, doc, *labels: Counter(name, doc, labels, registry=self.registry)  # noqa: E731
+        self.blobs_stored = c("fanroute_publisher_blobs_stored_total", "New blobs stored")
+        self.versions = c("fanroute_publisher_versions_published_total", "New adapter versions")
+        self.promotions = c("fanroute_publisher_promotions_total", "Promotions announced")
+        self.deleted_versions = c("fanroute_publisher_versions_deleted_total", "Versions removed by retention")
+        self.deleted_blobs = c("fanroute_publisher_blobs_deleted_total", "Unreferenced blobs deleted")
+        self.rejected = c("fanroute_publisher_rejected_total", "Refused requests", "reason")
+
+
+class Publisher:
+    """Blob store, manifests, stamps and bus of one running publisher; the routes call into it."""
+
+    def __init__(self, settings: PublisherSettings, bus: Bus, stamps: StampStore) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.stamps = stamps
+        self.blobs = BlobStore(settings.storage_dir)
+        self.manifests = ManifestStore(settings.storage_dir)
+        self.metrics = PublisherMetrics()
+        self.base_url = settings.public_url.rstrip("/")
+        self._lock = asyncio.Lock()  # one writer of manifests; also keeps the sweep off a pending POST
+
+    async def start(self) -> None:
+        await self.bus.start((topic("adapters"),))
+
+    async def stop(self) -> None:
+        await self.bus.stop()
+        await self.stamps.close()
+
+    def manifest_url(self, model_id: str, version: int) -> str:
+        return f"{self.base_url}/v1/adapters/{model_id}/versions/{version}"
+
+    async def put_blob(self, sha: str, chunks: AsyncIterator[bytes]) -> bool:
+        """Store a blob (verified against ``sha``); True when it was new."""
+        created = await self.blobs.put(sha, chunks, self.settings.max_blob_bytes)
+        if created:
+            self.metrics.blobs_stored.inc()
+        return created
+
+    async def publish(self, model_id: str, req: VersionRequest) -> tuple[AdapterPublished, bool]:
+        """Stamp, store and announce a version; the same content again returns it (False = not new)."""
+        check_adapter_files(req.files)
+        key = content_key(model_id, req.base_model, req.files)
+        async with self._lock:
+            existing = self.manifests.find(model_id, key)
+            if existing is not None:
+                return await self._announce(existing), False
+            missing = self.blobs.missing(req.files)
+            if missing:
+                raise MissingBlobs(missing)
+            version = await self.stamps.incr(model_id)
+            manifest = Manifest(
+                model_id=model_id, version=version, base_model=req.base_model, files_sha256=req.files,
+                files_bytes={n: self.blobs.path(s).stat().st_size for n, s in req.files.items()},
+                metrics=req.metrics, run_id=req.run_id, content_key=key, published_at=datetime.now(UTC))
+            self.manifests.save(manifest)
+            message = await self._announce(manifest)
+            self.metrics.versions.inc()
+            await self._retain(model_id)
+        log.info("published %s v%d (%d files)", model_id, version, len(req.files))
+        return message, True
+
+    async def _announce(self, manifest: Manifest) -> AdapterPublished:
+        """Publish the version's message unless Kafka already acked it; marks it announced."""
+        message = manifest.message(self.manifest_url(manifest.model_id, manifest.version))
+        if not manifest.announced:
+            await self._send(message)
+            self.manifests.save(manifest.model_copy(update={"announced": True}))
+        return message
+
+    async def _send(self, message: AdapterPublished) -> None:
+        try:
+            await self.bus.publish(topic("adapters"), message)
+        except BusError as exc:
+            raise Unavailable(f"{message.model_id} v{message.version} is stored but not announced "
+                              f"({exc}); retry the same request") from exc
+
+    async def promote(self, model_id: str, version: int) -> AdapterPublished:
+        """Announce ``version`` with promoted=True, then remember it as the promoted one."""
+        async with self._lock:
+            manifest = self.manifests.get(model_id, version)
+            message = manifest.message(self.manifest_url(model_id, version), promoted=True)
+            await self._send(message)
+            self.manifests.set_promoted(model_id, version)
+            self.metrics.promotions.inc()
+        log.info("promoted %s v%d", model_id, version)
+        return message
+
+    async def report_serving(self, report: ServingReport) -> dict[str, Any]:
+        """Pin the version a sampler serves for ``serving_ttl_s``."""
+        self.manifests.get(report.model_id, report.version)  # 404 for an unknown version
+        await self.stamps.report_serving(report.model_id, report.sampler_id, report.version,
+                                         self.settings.serving_ttl_s)
+        return {**report.model_dump(), "ttl_s": self.settings.serving_ttl_s}
+
+    async def _retain(self, model_id: str) -> None:
+        """Drop old versions (never the promoted or a served one), then blobs nobody references."""
+        pinned = set((await self.stamps.serving(model_id)).values())
+        promoted = self.manifests.promoted(model_id)
+        if promoted is not None:
+            pinned.add(promoted)
+        victims = retention_victims(self.manifests.versions(model_id), self.settings.keep_versions, pinned)
+        for v in victims:
+            self.manifests.delete(model_id, v)
+        gone = self.blobs.delete_unreferenced(self.manifests.referenced(), self.settings.orphan_grace_s)
+        self.metrics.deleted_versions.inc(len(victims))
+        self.metrics.deleted_blobs.inc(len(gone))
+        if victims or gone:
+            log.info("retention %s: removed versions %s and %d blobs (pinned %s)", model_id, victims,
+                     len(gone), sorted(pinned))
+
+    def describe(self, manifest: Manifest) -> dict[str, Any]:
+        """A manifest as callers see it: files, hashes, sizes, URLs, and whether it is promoted."""
+        url = self.manifest_url(manifest.model_id, manifest.version)
+        return {**manifest.model_dump(mode="json", exclude={"content_key", "announced"}), "url": url,
+                "promoted": self.manifests.promoted(manifest.model_id) == manifest.version,
+                "file_urls": {n: f"{url}/files/{n}" for n in manifest.files_sha256}}
+
+    def file_path(self, model_id: str, version: int, name: str) -> Any:
+        manifest = self.manifests.get(model_id, version)
+        if name not in manifest.files_sha256:
+            raise NotFound(f"{model_id} v{version} has no file {name!r}")
+        return self.blobs.path(manifest.files_sha256[name])
+
+
+def create_app(settings: PublisherSettings, *, publisher: Publisher | None = None) -> FastAPI:
+    """The FastAPI app; the bus connects in the lifespan, before serving."""
+    pub = publisher or Publisher(settings, Bus(settings.kafka, client_id="fanroute-publisher"),
+                                 stamp_store(settings.redis.url, settings.kafka.topic_namespace))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pub.start()
+        try:
+            yield
+        finally:
+            await pub.stop()
+
+    app = FastAPI(title="fanroute publisher", version="0.1.0", lifespan=lifespan,
+                  description="Serves LoRA adapter files by content hash and announces versions.")
+    app.state.publisher = pub
+    app.add_middleware(BodyLimit, default=settings.max_json_bytes, metrics=pub.metrics,
+                       prefixes={"/v1/blobs/": settings.max_blob_bytes})
+
+    @app.exception_handler(PublisherError)
+    async def _refused(request: Request, exc: PublisherError) -> JSONResponse:
+        pub.metrics.rejected.labels(exc.error).inc()
+        return _error(exc.status, exc.error, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = "not_found" if exc.status_code == 404 else f"http_{exc.status_code}"
+        return _error(exc.status_code, error, f"{request.method} {request.url.path}: {exc.detail}")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        pub.metrics.rejected.labels("invalid_request").inc()
+        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                           for e in exc.errors()[:5])
+        return _error(422, "invalid_request", reason)
+
+    @app.put("/v1/blobs/{sha256}", status_code=201, responses={
+        200: {"description": "Already stored"}, 400: {"description": "Body does not hash to the path"},
+        413: {"description": "Over max_blob_bytes"}})
+    async def put_blob(sha256: str, request: Request, response: Response) -> dict[str, Any]:
+        """Store the body as the blob ``sha256`` (refused unless it hashes to it); idempotent."""
+        created = await pub.put_blob(sha256, request.stream())
+        response.status_code = 201 if created else 200
+        return {"sha256": sha256, "created": created}
+
+    @app.get("/v1/blobs/{sha256}", response_class=FileResponse)
+    async def get_blob(sha256: str) -> FileResponse:
+        """The blob's bytes."""
+        return _file(pub.blobs.path(sha256))
+
+    @app.post("/v1/adapters/{model_id}/versions", status_code=201, response_model=AdapterPublished,
+              responses={200: {"description": "Same content posted before: the existing version"},
+                         400: {"description": "Not plain PEFT adapter files"},
+                         409: {"description": "Blobs not uploaded, named in the reason"},
+                         503: {"description": "Stored but Kafka did not ack; retry"}})
+    async def post_version(req: VersionRequest, response: Response, model_id: str = ModelId) -> Any:
+        """Publish a version made of uploaded blobs: stamp, manifest, ``adapters`` message."""
+        message, created = await pub.publish(model_id, req)
+        response.status_code = 201 if created else 200
+        return message
+
+    @app.get("/v1/adapters/{model_id}/versions")
+    async def list_versions(model_id: str = ModelId) -> list[dict[str, Any]]:
+        """Every stored version of ``model_id``, oldest first."""
+        return [pub.describe(m) for m in pub.manifests.all(model_id)]
+
+    @app.get("/v1/adapters/{model_id}/versions/{version}")
+    async def get_version(version: int, model_id: str = ModelId) -> dict[str, Any]:
+        """One version's manifest."""
+        return pub.describe(pub.manifests.get(model_id, version))
+
+    @app.get("/v1/adapters/{model_id}/versions/{version}/files/{name}", response_class=FileResponse)
+    @app.get("/v1/adapters/{model_id}/versions/{version}/{name}", response_class=FileResponse,
+             include_in_schema=False)  # ``<message url>/<file name>``, as plain HTTP fetchers pull
+    async def get_file(version: int, name: str, model_id: str = ModelId) -> FileResponse:
+        """One file of a version, by name (also at ``<manifest url>/<name>``)."""
+        return _file(pub.file_path(model_id, version, name))
+
+    @app.get("/v1/adapters/{model_id}/stamp")
+    async def get_stamp(model_id: str = ModelId) -> dict[str, Any]:
+        """The current version stamp in Redis (0 before the first publish)."""
+        return {"model_id": model_id, "stamp": await pub.stamps.get(model_id),
+                "key": stamp_key(settings.kafka.topic_namespace, model_id)}
+
+    @app.post("/v1/adapters/{model_id}/promote", response_model=AdapterPublished)
+    async def promote(req: PromoteRequest, model_id: str = ModelId) -> Any:
+        """Make ``version`` the promoted one and announce it (promoted=True)."""
+        return await pub.promote(model_id, req.version)
+
+    @app.get("/v1/adapters/{model_id}/serving")
+    async def serving(model_id: str = ModelId) -> dict[str, int]:
+        """Sampler id → the version it reported serving (unexpired reports only)."""
+        return await pub.stamps.serving(model_id)
+
+    @app.post("/v1/serving")
+    async def report_serving(report: ServingReport) -> dict[str, Any]:
+        """A sampler's heartbeat; the version it serves survives retention while reports keep coming."""
+        return await pub.report_serving(report)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "storage_dir": str(settings.storage_dir),
+                "kafka": "memory" if pub.bus.in_memory else settings.kafka.bootstrap_servers}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(pub.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _file(path: Any) -> FileResponse:
+    if not path.is_file():
+        raise NotFound(f"no blob {path.name}")
+    return FileResponse(path, media_type="application/octet-stream")
+
+
+def _error(status: int, error: str, reason: str) -> JSONResponse:
+    return JSONResponse({"error": error, "reason": reason}, status_code=status)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 for a body over its path's limit, before or while reading it."""
+
+    def __init__(self, app: Any, *, default: int, metrics: PublisherMetrics, prefixes: dict[str, int]) -> None:
+        self.app, self.default, self.metrics, self.prefixes = app, default, metrics, prefixes
+
+    def _limit(self, path: str) -> int:
+        return next((n for p, n in self.prefixes.items() if path.startswith(p)), self.default)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        max_bytes = self._limit(scope.get("path", ""))
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            return await self._refuse(max_bytes)(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > max_bytes:
+                raise _TooLarge
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(max_bytes)(scope, receive, send)
+
+    def _refuse(self, max_bytes: int) -> JSONResponse:
+        self.metrics.rejected.labels("body_too_large").inc()
+        return _error(413, "body_too_large", f"request body over {max_bytes} bytes")
+
+
+class _TooLarge(Exception):
+    pass

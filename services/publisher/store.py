@@ -1,0 +1,424 @@
+"""What the publisher keeps: blobs by sha256 on disk, manifests per version, stamps and serving pins.
+
+Blobs and manifests live under ``storage_dir`` (the publisher is their only writer); the version
+stamp and the samplers' serving reports are small shared state, so they live in Redis (or in
+memory for unit tests and the embedded default).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.adapter import AdapterPublished
+from schemas.base import content_id
+from services.common.errors import FanrouteError
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
+REQUIRED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
+#: What a PEFT adapter directory may hold: the adapter, its card, and the tokenizer saved beside it.
+#: No pickles (``.bin``): a consumer should never have to unpickle what it pulled.
+ADAPTER_FILES = REQUIRED_FILES | frozenset({
+    "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+})
+CHUNK = 1 << 20
+
+
+class PublisherError(FanrouteError):
+    """A request the publisher refuses; ``status`` and ``error`` become the HTTP answer."""
+
+    status = 400
+    error = "bad_request"
+
+
+class BadAdapterFiles(PublisherError, ValueError):
+    """The file list is not a plain PEFT adapter directory."""
+
+    error = "bad_files"
+
+
+class HashMismatch(PublisherError, ValueError):
+    """Bytes whose sha256 is not the one they were announced with."""
+
+    error = "hash_mismatch"
+
+
+class BlobTooLarge(PublisherError, ValueError):
+    """A blob over ``max_blob_bytes``."""
+
+    status, error = 413, "body_too_large"
+
+
+class MissingBlobs(PublisherError, LookupError):
+    """A version names blobs that were never uploaded."""
+
+    status, error = 409, "missing_blobs"
+
+    def __init__(self, missing: dict[str, str]) -> None:
+        super().__init__("blobs not uploaded yet (PUT /v1/blobs/{sha256} first): "
+                         + ", ".join(f"{name}={sha}" for name, sha in sorted(missing.items())))
+        self.missing = missing
+
+
+class NotFound(PublisherError, LookupError):
+    """No such blob, model id, version or file."""
+
+    status, error = 404, "not_found"
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_sha256(sha: str) -> str:
+    """``sha`` if it is 64 lowercase hex digits, else a clear error."""
+    if not SHA256_RE.match(sha):
+        raise PublisherError(f"not a sha256 (64 lowercase hex digits): {sha!r}")
+    return sha
+
+
+def check_adapter_files(files: dict[str, str]) -> None:
+    """Refuse anything but plain PEFT adapter file names with well-formed hashes."""
+    bad = sorted(n for n in files if n not in ADAPTER_FILES)
+    if bad:
+        why = "path separators are not allowed" if any("/" in n or "\\" in n for n in bad) else "unknown"
+        raise BadAdapterFiles(f"files {bad}: not plain PEFT adapter files ({why}); "
+                              f"allowed: {sorted(ADAPTER_FILES)}")
+    missing = sorted(REQUIRED_FILES - files.keys())
+    if missing:
+        raise BadAdapterFiles(f"an adapter needs {missing}")
+    for name, sha in files.items():
+        if not SHA256_RE.match(sha):
+            raise BadAdapterFiles(f"files.{name}: not a sha256 (64 lowercase hex digits): {sha!r}")
+
+
+def check_model_id(model_id: str) -> str:
+    """``model_id`` if it is safe as a directory name and a Redis key part."""
+    if not MODEL_ID_RE.match(model_id):
+        raise PublisherError(f"model id {model_id!r} must match {MODEL_ID_PATTERN}")
+    return model_id
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# --------------------------------------------------------------------------- blobs
+
+
+class BlobStore:
+    """Files named by their sha256 under ``root/blobs/ab/abcd...``; writes are verified and atomic."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root / "blobs"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, sha: str) -> Path:
+        return self.root / sha[:2] / check_sha256(sha)
+
+    def has(self, sha: str) -> bool:
+        return self.path(sha).is_file()
+
+    def missing(self, files: dict[str, str]) -> dict[str, str]:
+        """The entries of ``files`` whose blob is not stored."""
+        return {name: sha for name, sha in files.items() if not self.has(sha)}
+
+    async def put(self, sha: str, chunks: AsyncIterator[bytes], max_bytes: int) -> bool:
+        """Store the streamed bytes as ``sha``; True when new. Verified before it becomes visible."""
+        dest = self.path(sha)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
+        h, size = hashlib.sha256(), 0
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise BlobTooLarge(f"blob over {max_bytes} bytes")
+                    h.update(chunk)
+                    f.write(chunk)
+            if h.hexdigest() != sha:
+                raise HashMismatch(f"body sha256 is {h.hexdigest()}, the path says {sha}")
+            if dest.is_file():
+                os.utime(dest)  # re-uploaded: young again, so the orphan sweep leaves it for its POST
+                return False
+            os.replace(tmp, dest)
+            return True
+        finally:
+            Path(tmp).unlink(missing_ok=True)
+
+    def shas(self) -> Iterator[str]:
+        """Every stored blob's sha256."""
+        for p in self.root.glob("??/*"):
+            if SHA256_RE.match(p.name):
+                yield p.name
+
+    def delete_unreferenced(self, referenced: set[str], older_than_s: float) -> list[str]:
+        """Delete blobs no manifest references and not touched for ``older_than_s``; their shas."""
+        cutoff = time.time() - older_than_s
+        gone = []
+        for sha in list(self.shas()):
+            p = self.path(sha)
+            if sha not in referenced and p.stat().st_mtime <= cutoff:
+                p.unlink(missing_ok=True)
+                gone.append(sha)
+        return gone
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+class Manifest(BaseModel):
+    """One published adapter version: its files by hash and what it was published with."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_id: str
+    version: int = Field(ge=1)
+    base_model: str
+    files_sha256: dict[str, str]
+    files_bytes: dict[str, int]
+    metrics: dict[str, float] = Field(default_factory=dict)
+    run_id: str | None = None
+    content_key: str
+    published_at: datetime
+    announced: bool = Field(default=False, description="The AdapterPublished message was acked")
+
+    def message(self, url: str, *, promoted: bool = False) -> AdapterPublished:
+        """The ``adapters`` topic message announcing this version (``url`` = its manifest URL)."""
+        return AdapterPublished(model_id=self.model_id, version=self.version, base_model=self.base_model,
+                                url=url, files_sha256=self.files_sha256, published_at=self.published_at,
+                                promoted=promoted, metrics=self.metrics)
+
+
+def content_key(model_id: str, base_model: str, files: dict[str, str]) -> str:
+    """What makes two posts the same version: model id, base model and the files' hashes."""
+    return content_id("adapter-version", model_id, base_model, dict(sorted(files.items())))
+
+
+class ManifestStore:
+    """Manifests under ``root/adapters/<model_id>/v<version>.json`` and the promoted version."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root / "adapters"
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _dir(self, model_id: str) -> Path:
+        return self.root / check_model_id(model_id)
+
+    def _path(self, model_id: str, version: int) -> Path:
+        return self._dir(model_id) / f"v{version:08d}.json"
+
+    def save(self, manifest: Manifest) -> None:
+        _write_atomic(self._path(manifest.model_id, manifest.version), manifest.model_dump_json(indent=1).encode())
+
+    def get(self, model_id: str, version: int) -> Manifest:
+        path = self._path(model_id, version)
+        try:
+            return Manifest.model_validate_json(path.read_bytes())
+        except FileNotFoundError:
+            raise NotFound(f"{model_id} has no version {version}") from None
+
+    def versions(self, model_id: str) -> list[int]:
+        """Stored versions of ``model_id``, oldest first."""
+        return sorted(int(p.stem[1:]) for p in self._dir(model_id).glob("v*.json"))
+
+    def all(self, model_id: str) -> list[Manifest]:
+        return [self.get(model_id, v) for v in self.versions(model_id)]
+
+    def model_ids(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
+
+    def find(self, model_id: str, key: str) -> Manifest | None:
+        """The stored version with this content key, if any."""
+        return next((m for m in self.all(model_id) if m.content_key == key), None)
+
+    def delete(self, model_id: str, version: int) -> None:
+        self._path(model_id, version).unlink(missing_ok=True)
+
+    def promoted(self, model_id: str) -> int | None:
+        """The promoted version of ``model_id``, if one was promoted."""
+        try:
+            return int((self._dir(model_id) / "promoted").read_text())
+        except FileNotFoundError:
+            return None
+
+    def set_promoted(self, model_id: str, version: int) -> None:
+        _write_atomic(self._dir(model_id) / "promoted", str(version).encode())
+
+    def referenced(self) -> set[str]:
+        """Every blob sha256 some stored manifest names."""
+        return {sha for mid in self.model_ids() for m in self.all(mid) for sha in m.files_sha256.values()}
+
+
+def retention_victims(versions: Iterable[int], keep: int, pinned: set[int]) -> list[int]:
+    """Versions to delete: all but the newest ``keep``, never a pinned one (promoted, served)."""
+    ordered = sorted(versions)
+    newest = set(ordered[-keep:])
+    return [v for v in ordered if v not in newest and v not in pinned]
+
+
+# --------------------------------------------------------------------------- stamps and serving
+
+
+def stamp_key(namespace: str, model_id: str) -> str:
+    """Redis key of the adapter version stamp (the trainer reads it for staleness)."""
+    return f"fanroute:{namespace}adapter:stamp:{model_id}"
+
+
+def _serving_prefix(namespace: str, model_id: str) -> str:
+    return f"fanroute:{namespace}adapter:serving:{model_id}"
+
+
+class StampStore(abc.ABC):
+    """Version stamps per model id, and which sampler serves which version (with a TTL)."""
+
+    @abc.abstractmethod
+    async def incr(self, model_id: str) -> int:
+        """Move the stamp on by one and return it: the new version number."""
+
+    @abc.abstractmethod
+    async def get(self, model_id: str) -> int:
+        """The current stamp (0 before the first publish)."""
+
+    @abc.abstractmethod
+    async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
+        """Record that ``sampler_id`` serves ``version`` for the next ``ttl_s`` seconds."""
+
+    @abc.abstractmethod
+    async def serving(self, model_id: str) -> dict[str, int]:
+        """sampler id → version, for reports that have not expired."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+class MemoryStampStore(StampStore):
+    """In-process stamps (lost on exit): unit tests and the embedded default."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.stamps: dict[str, int] = {}
+        self.reports: dict[str, dict[str, tuple[int, float]]] = {}
+
+    async def incr(self, model_id: str) -> int:
+        self.stamps[model_id] = self.stamps.get(model_id, 0) + 1
+        return self.stamps[model_id]
+
+    async def get(self, model_id: str) -> int:
+        return self.stamps.get(model_id, 0)
+
+    async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
+        self.reports.setdefault(model_id, {})[sampler_id] = (version, self.clock() + ttl_s)
+
+    async def serving(self, model_id: str) -> dict[str, int]:
+        now = self.clock()
+        return {s: v for s, (v, until) in self.reports.get(model_id, {}).items() if until > now}
+
+
+class RedisStampStore(StampStore):
+    """Stamps as Redis counters; serving reports as a set of sampler ids plus one key each with a TTL."""
+
+    def __init__(self, url: str, namespace: str) -> None:
+        import redis.asyncio as redis
+
+        self.client = redis.Redis.from_url(url)
+        self.namespace = namespace
+
+    async def incr(self, model_id: str) -> int:
+        return int(await self.client.incr(stamp_key(self.namespace, model_id)))
+
+    async def get(self, model_id: str) -> int:
+        return int(await self.client.get(stamp_key(self.namespace, model_id)) or 0)
+
+    async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
+        prefix = _serving_prefix(self.namespace, model_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.set(f"{prefix}:{sampler_id}", version, px=int(ttl_s * 1000))
+            pipe.sadd(f"{prefix}:samplers", sampler_id)
+            await pipe.execute()
+
+    async def serving(self, model_id: str) -> dict[str, int]:
+        prefix = _serving_prefix(self.namespace, model_id)
+        samplers = sorted(s.decode() for s in await self.client.smembers(f"{prefix}:samplers"))
+        if not samplers:
+            return {}
+        values = await self.client.mget([f"{prefix}:{s}" for s in samplers])
+        expired = [s for s, v in zip(samplers, values) if v is None]
+        if expired:
+            await self.client.srem(f"{prefix}:samplers", *expired)
+        return {s: int(v) for s, v in zip(samplers, values) if v is not None}
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def stamp_store(url: str, namespace: str) -> StampStore:
+    """Redis unless ``url`` is ``memory://``."""
+    return MemoryStampStore() if url == "memory://" else RedisStampStore(url, namespace)
+
+
+# --------------------------------------------------------------------------- materialising a directory
+
+
+def materialize(dest: Path, files: dict[str, str], read: Callable[[str, str], Iterable[bytes]]) -> Path:
+    """Write ``files`` (name → sha256) into the new directory ``dest``, verifying every hash.
+
+    ``read(name, sha)`` yields the file's bytes. Files land in a temporary sibling directory that
+    is renamed to ``dest`` only when all of them verify, so a failure leaves nothing behind. An
+    empty ``dest`` is filled (replaced by the rename); one that already holds exactly these files
+    is returned as is; any other existing ``dest`` is refused.
+    """
+    check_adapter_files(files)
+    if dest.exists() and any(dest.iterdir()):
+        if _holds_exactly(dest, files):
+            return dest
+        raise FileExistsError(f"{dest} exists and does not hold exactly these files; remove it first")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+    try:
+        for name, sha in sorted(files.items()):
+            h = hashlib.sha256()
+            with (tmp / name).open("wb") as f:
+                for chunk in read(name, sha):
+                    h.update(chunk)
+                    f.write(chunk)
+            if h.hexdigest() != sha:
+                raise HashMismatch(f"{name}: received bytes hash to {h.hexdigest()}, expected {sha}; "
+                                   f"nothing was written to {dest}")
+        os.rename(tmp, dest)  # POSIX: replaces an empty directory atomically
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _holds_exactly(directory: Path, files: dict[str, str]) -> bool:
+    present = {p.name for p in directory.iterdir()}
+    return present == set(files) and all(sha256_file(directory / n) == s for n, s in files.items())

@@ -1,0 +1,88 @@
+"""Adapters published through the running publisher land on the real ``adapters`` topic and move the
+real Redis stamp; a sampler pulls them back verified."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import uuid
+
+import pytest
+import redis.asyncio as redis
+import uvicorn
+
+from schemas import AdapterPublished
+from schemas.base import decode
+from services.common.replay_topic import read_records_to_end
+from services.common.settings import KafkaSettings, RedisSettings
+from services.publisher.app import create_app
+from services.publisher.client import PublisherClient
+from services.publisher.settings import PublisherSettings
+from services.publisher.store import stamp_key
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _adapter(root, tag: str):
+    d = root / f"adapter-{tag}"
+    d.mkdir()
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (d / "adapter_model.safetensors").write_bytes(f"weights {tag}".encode() * 1000)
+    return d
+
+
+async def test_versions_reach_the_topic_and_move_the_redis_stamp(kafka_bootstrap, redis_url, tmp_path):
+    ns = f"pub{uuid.uuid4().hex[:8]}."
+    port = _free_port()
+    settings = PublisherSettings(
+        kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns),
+        redis=RedisSettings(url=redis_url), port=port, public_url=f"http://127.0.0.1:{port}",
+        storage_dir=tmp_path / "store", serving_ttl_s=120)
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    serving = asyncio.create_task(server.serve())
+    r = redis.Redis.from_url(redis_url)
+    stamps = []
+    try:
+        async with asyncio.timeout(60):
+            while not server.started:
+                assert not serving.done(), "publisher failed to start"
+                await asyncio.sleep(0.05)
+        with PublisherClient(settings.public_url, timeout_s=30) as client:
+            call = lambda f, *a, **kw: asyncio.to_thread(f, *a, **kw)  # noqa: E731 - sync client, our loop serves
+            stamps.append(await call(client.stamp, "router"))
+            v1 = await call(client.publish, "router", _adapter(tmp_path, "1"), "smollm2-135m", {"ndcg": 0.5})
+            stamps.append(int(await r.get(stamp_key(ns, "router"))))
+            second = _adapter(tmp_path, "2")
+            v2 = await call(client.publish, "router", second, "smollm2-135m", {"ndcg": 0.6})
+            stamps.append(int(await r.get(stamp_key(ns, "router"))))
+            again = await call(client.publish, "router", second, "smollm2-135m", {})  # same content
+            promoted = await call(client.promote, "router", 2)
+            await call(client.report_serving, "sampler-0", "router", 2)
+            pulled = await call(client.fetch_url, v2["url"], tmp_path / "pulled",
+                                expect_sha256=v2["files_sha256"])
+            final_stamp = await call(client.stamp, "router")
+        ttl_ms = await r.pttl(f"fanroute:{ns}adapter:serving:router:sampler-0")
+        records = [rec async for rec in read_records_to_end(settings.kafka, f"{ns}adapters")]
+    finally:
+        server.should_exit = True
+        await serving
+        await r.aclose()
+
+    assert stamps == [0, 1, 2] and final_stamp == 2
+    assert (v1["version"], v2["version"], again["version"]) == (1, 2, 2)
+    assert promoted["promoted"] is True and promoted["version"] == 2
+    messages = [decode(AdapterPublished, rec.value) for rec in records]
+    assert [rec.key for rec in records] == [b"router"] * 3
+    assert [(m.version, m.promoted) for m in messages] == [(1, False), (2, False), (2, True)]
+    assert messages[1].model_dump(mode="json") == v2
+    assert messages[1].url == f"{settings.public_url}/v1/adapters/router/versions/2"
+    assert (pulled / "adapter_model.safetensors").read_bytes() == b"weights 2" * 1000
+    assert 0 < ttl_ms <= 120_000
