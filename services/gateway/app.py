@@ -20,6 +20,7 @@ from schemas.topics import topic
 from schemas.trace import Candidate, Signals, Trace
 from services.common.bus import Bus
 from services.common.errors import BusError
+from services.common.http import BodyLimit
 from services.gateway.fanout import fan_out_trace
 from services.gateway.fusion import FusedResult, rrf
 from services.gateway.metrics import GatewayMetrics
@@ -145,8 +146,8 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
     app = FastAPI(title="fanroute gateway", version="0.1.0", lifespan=lifespan,
                   description="Fans each query out to every search provider and records a trace.")
     app.state.gateway = gw
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, metrics=gw.metrics,
-                       per_path={"/v1/episodes": settings.max_push_bytes})
+    app.add_middleware(BodyLimit, default=settings.max_body_bytes, prefixes={"/v1/episodes": settings.max_push_bytes},
+                       on_reject=gw.metrics.rejected.labels("body_too_large").inc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -203,41 +204,3 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
 
 def _error(status: int, error: str, reason: str) -> JSONResponse:
     return JSONResponse({"error": error, "reason": reason}, status_code=status)
-
-
-class BodyLimit:
-    """Pure ASGI middleware: refuse bodies over the path's limit with 413 before reading them all."""
-
-    def __init__(self, app: Any, *, max_bytes: int, metrics: GatewayMetrics,
-                 per_path: dict[str, int] | None = None) -> None:
-        self.app, self.default, self.metrics = app, max_bytes, metrics
-        self.per_path = per_path or {}
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        max_bytes = self.per_path.get(scope.get("path", ""), self.default)
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_bytes):
-            self.metrics.rejected.labels("body_too_large").inc()
-            resp = _error(413, "body_too_large", f"request body over {max_bytes} bytes")
-            return await resp(scope, receive, send)
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > max_bytes:
-                raise _TooLarge
-            return msg
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            self.metrics.rejected.labels("body_too_large").inc()
-            await _error(413, "body_too_large", f"request body over {max_bytes} bytes")(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass

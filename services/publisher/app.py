@@ -23,6 +23,7 @@ from schemas.adapter import AdapterPublished
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import BusError
+from services.common.http import BodyLimit
 from services.publisher.settings import PublisherSettings
 from services.publisher.store import (
     MODEL_ID_PATTERN, BlobStore, Manifest, ManifestStore, MissingBlobs, NotFound, PublisherError,
@@ -211,8 +212,8 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
     app = FastAPI(title="fanroute publisher", version="0.1.0", lifespan=lifespan,
                   description="Serves LoRA adapter files by content hash and announces versions.")
     app.state.publisher = pub
-    app.add_middleware(BodyLimit, default=settings.max_json_bytes, metrics=pub.metrics,
-                       prefixes={"/v1/blobs/": settings.max_blob_bytes})
+    app.add_middleware(BodyLimit, default=settings.max_json_bytes, prefixes={"/v1/blobs/": settings.max_blob_bytes},
+                       on_reject=pub.metrics.rejected.labels("body_too_large").inc)
 
     @app.exception_handler(PublisherError)
     async def _refused(request: Request, exc: PublisherError) -> JSONResponse:
@@ -314,43 +315,3 @@ def _file(path: Any) -> FileResponse:
 
 def _error(status: int, error: str, reason: str) -> JSONResponse:
     return JSONResponse({"error": error, "reason": reason}, status_code=status)
-
-
-class BodyLimit:
-    """Pure ASGI middleware: 413 for a body over its path's limit, before or while reading it."""
-
-    def __init__(self, app: Any, *, default: int, metrics: PublisherMetrics, prefixes: dict[str, int]) -> None:
-        self.app, self.default, self.metrics, self.prefixes = app, default, metrics, prefixes
-
-    def _limit(self, path: str) -> int:
-        return next((n for p, n in self.prefixes.items() if path.startswith(p)), self.default)
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        max_bytes = self._limit(scope.get("path", ""))
-        length = dict(scope.get("headers") or ()).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_bytes):
-            return await self._refuse(max_bytes)(scope, receive, send)
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            msg = await receive()
-            seen += len(msg.get("body", b""))
-            if seen > max_bytes:
-                raise _TooLarge
-            return msg
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(max_bytes)(scope, receive, send)
-
-    def _refuse(self, max_bytes: int) -> JSONResponse:
-        self.metrics.rejected.labels("body_too_large").inc()
-        return _error(413, "body_too_large", f"request body over {max_bytes} bytes")
-
-
-class _TooLarge(Exception):
-    pass

@@ -1,0 +1,57 @@
+"""HTTP pieces every FastAPI service shares: the error body and the request-body limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+def error(status: int, kind: str, reason: str) -> JSONResponse:
+    """The one error body of fanroute's HTTP APIs: ``{"error": kind, "reason": ...}``."""
+    return JSONResponse({"error": kind, "reason": reason}, status_code=status)
+
+
+class BodyLimit:
+    """Pure ASGI middleware: 413 for a body over its path's limit, before or while reading it.
+
+    ``prefixes`` maps a path prefix to its own limit (first match wins); ``on_reject`` counts.
+    """
+
+    def __init__(self, app: Any, *, default: int, prefixes: dict[str, int] | None = None,
+                 on_reject: Callable[[], None] = lambda: None) -> None:
+        self.app, self.default, self.prefixes, self.on_reject = app, default, prefixes or {}, on_reject
+
+    def _limit(self, path: str) -> int:
+        return next((n for p, n in self.prefixes.items() if path.startswith(p)), self.default)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        max_bytes = self._limit(scope.get("path", ""))
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_bytes):
+            return await self._refuse(max_bytes)(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b""))
+            if seen > max_bytes:
+                raise _TooLarge
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(max_bytes)(scope, receive, send)
+
+    def _refuse(self, max_bytes: int) -> JSONResponse:
+        self.on_reject()
+        return error(413, "body_too_large", f"request body over {max_bytes} bytes")
+
+
+class _TooLarge(Exception):
+    pass

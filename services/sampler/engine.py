@@ -1,0 +1,231 @@
+"""The CPU generation engine: one base causal LM, LoRA adapters in named peft slots, token-level sampling.
+
+Generation is our own loop over the model's forward pass with a KV cache, so the token ids and the
+log-probabilities we return are exactly what the model computed: each step's logprob is the raw
+log-softmax of that step's logits (before temperature / top-p / top-k, as vLLM's default
+``raw_logprobs`` mode reports them). A teacher-forced forward pass over prompt + sampled tokens
+reproduces them. The engine is not thread-safe by itself; hold :attr:`Engine.lock` around a
+sequence of calls (the app runs one request at a time; on CPU that is also the fastest).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from services.sampler.registry import AdapterError
+
+log = logging.getLogger(__name__)
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one generation may do; validated by the HTTP layer before it gets here."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k filter
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per step to report; None = none
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class Generation:
+    """One finished generation: sampled ids, their raw logprobs and (if asked) each step's alternatives."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # sampled first, then top-k
+    text: str = ""
+    finish_reason: FinishReason = "length"
+    stop_reason: str | int | None = None
+    seconds: float = 0.0
+
+
+class Engine:
+    """A base model loaded once, plus peft LoRA adapters loaded into named slots on the same weights."""
+
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", max_model_len: int | None = None,
+                 threads: int | None = None) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        t0 = time.perf_counter()
+        self.model_dir = str(model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype)).eval()
+        self._peft: Any = None  # peft.PeftModel wrapping self.model once the first adapter is loaded
+        self.lock = threading.RLock()
+        context = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        self.max_model_len = min(max_model_len or context, context)
+        self.eos_token_ids = self._eos_ids()
+        log.info("loaded %s (%s, context %d) in %.1fs", self.model_dir, dtype, self.max_model_len,
+                 time.perf_counter() - t0)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = {self.tokenizer.eos_token_id}
+        gen_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return frozenset(i for i in ids if i is not None)
+
+    # ----------------------------------------------------------------- text <-> ids
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completion prompt (special tokens added as the tokenizer defines, like vLLM)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Render ``messages`` with the tokenizer's chat template (plus the generation prompt), then tokenize."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise AdapterError("the base model's tokenizer has no chat template; use /v1/completions")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (special tokens kept), as logprob entries name them."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---------------------------------------------------------------------- adapters
+    @property
+    def slots(self) -> list[str]:
+        return list(self._peft.peft_config) if self._peft is not None else []
+
+    def load_adapter(self, slot: str, path: Path) -> None:
+        """Load the LoRA adapter in ``path`` into ``slot``; a failure leaves no half-loaded slot behind."""
+        from peft import PeftModel
+
+        t0 = time.perf_counter()
+        with self.lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # peft warns on every extra adapter: that is the point here
+            try:
+                if self._peft is None:
+                    self._peft = PeftModel.from_pretrained(self.model, str(path), adapter_name=slot,
+                                                           is_trainable=False)
+                else:
+                    self._peft.load_adapter(str(path), adapter_name=slot, is_trainable=False)
+            except Exception as exc:
+                if self._peft is not None and slot in self._peft.peft_config:
+                    self._peft.delete_adapter(slot)
+                raise AdapterError(f"{path}: cannot load into the base model: {type(exc).__name__}: {exc}") from exc
+            self.model.eval()
+        log.info("adapter %s loaded into slot %s in %.2fs", path, slot, time.perf_counter() - t0)
+
+    def unload_adapter(self, slot: str) -> None:
+        """Free ``slot`` (no-op if it is not loaded)."""
+        with self.lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if self._peft is not None and slot in self._peft.peft_config:
+                self._peft.delete_adapter(slot)
+
+    def _activate(self, slot: str | None) -> None:
+        """Route the next forward passes through ``slot``'s LoRA weights, or through the base alone."""
+        if self._peft is None:
+            if slot is not None:
+                raise AdapterError(f"adapter slot {slot!r} is not loaded")
+            return
+        if slot is None:
+            self._peft.base_model.disable_adapter_layers()
+            return
+        if slot not in self._peft.peft_config:
+            raise AdapterError(f"adapter slot {slot!r} is not loaded")
+        self._peft.base_model.enable_adapter_layers()
+        self._peft.set_adapter(slot)
+
+    # --------------------------------------------------------------------- generation
+    def generate(self, prompt_ids: list[int], params: SamplingParams, *, slot: str | None = None) -> Generation:
+        """Sample up to ``params.max_tokens`` tokens after ``prompt_ids`` with ``slot``'s adapter (None = base)."""
+        import torch
+
+        t0 = time.perf_counter()
+        gen = Generation(prompt_token_ids=list(prompt_ids), token_ids=[], logprobs=[])
+        rng = torch.Generator()
+        if params.seed is not None:
+            rng.manual_seed(params.seed)
+        else:
+            rng.seed()
+        stops = tuple(s for s in params.stop if s)
+        with self.lock, torch.inference_mode():
+            self._activate(slot)
+            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+            for _ in range(params.max_tokens):
+                logits_V = out.logits[0, -1].float()
+                logprobs_V = torch.log_softmax(logits_V, dim=-1)
+                token = _pick(logits_V, params, rng)
+                gen.token_ids.append(token)
+                gen.logprobs.append(float(logprobs_V[token]))
+                if params.logprobs is not None:
+                    gen.top_logprobs.append(_top_entries(logprobs_V, token, params.logprobs))
+                if self._finished(gen, token, params, stops):
+                    break
+                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
+                                 use_cache=True)
+        if not isinstance(gen.stop_reason, str):  # a stop string already cut the text
+            gen.text = self.decode(gen.token_ids, skip_special_tokens=params.skip_special_tokens)
+        gen.seconds = time.perf_counter() - t0
+        return gen
+
+    def _finished(self, gen: Generation, token: int, params: SamplingParams, stops: tuple[str, ...]) -> bool:
+        """Set the finish reason and return True when ``token`` ends the generation."""
+        if token in self.eos_token_ids and not params.ignore_eos:
+            gen.finish_reason, gen.stop_reason = "stop", None
+            return True
+        if token in params.stop_token_ids:
+            gen.finish_reason, gen.stop_reason = "stop", token
+            return True
+        if stops:
+            text = self.decode(gen.token_ids, skip_special_tokens=params.skip_special_tokens)
+            hits = [(text.find(s), s) for s in stops if s in text]
+            if hits:
+                at, stop = min(hits)
+                gen.text, gen.finish_reason, gen.stop_reason = text[:at], "stop", stop
+                return True
+        return False
+
+
+def _pick(logits_V: Any, params: SamplingParams, rng: Any) -> int:
+    """Greedy when temperature is 0, else sample from the temperature / top-k / top-p filtered softmax."""
+    import torch
+
+    if params.temperature == 0:
+        return int(torch.argmax(logits_V))
+    scaled_V = logits_V / params.temperature
+    if params.top_k and params.top_k > 0 and params.top_k < scaled_V.numel():
+        kth = torch.topk(scaled_V, params.top_k).values[-1]
+        scaled_V = scaled_V.masked_fill(scaled_V < kth, float("-inf"))
+    probs_V = torch.softmax(scaled_V, dim=-1)
+    if params.top_p < 1.0:
+        sorted_V, order_V = torch.sort(probs_V, descending=True)
+        keep_V = torch.cumsum(sorted_V, dim=-1) - sorted_V < params.top_p  # always keeps the first
+        probs_V = torch.zeros_like(probs_V).scatter(0, order_V[keep_V], sorted_V[keep_V])
+    return int(torch.multinomial(probs_V, 1, generator=rng))
+
+
+def _top_entries(logprobs_V: Any, sampled: int, k: int) -> list[tuple[int, float]]:
+    """The sampled token first, then the ``k`` most likely (without repeating the sampled one), as vLLM orders them."""
+    import torch
+
+    entries = [(sampled, float(logprobs_V[sampled]))]
+    if k > 0:
+        values_K, ids_K = torch.topk(logprobs_V, k)
+        entries += [(int(i), float(v)) for i, v in zip(ids_K, values_K) if int(i) != sampled]
+    return entries

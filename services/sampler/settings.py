@@ -1,0 +1,52 @@
+"""Sampler settings: the base model, adapter residency and cache, limits, and where adapters come from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from services.common.settings import ServiceSettings
+
+DEFAULT_BASE_MODEL = Path.home() / ".cache" / "fanroute" / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "fanroute" / "sampler" / "adapters"
+
+
+class SamplerSettings(ServiceSettings):
+    """``FANROUTE_`` env vars, e.g. ``FANROUTE_BASE_MODEL=/models/x`` or ``FANROUTE_MAX_RESIDENT_ADAPTERS=2``."""
+
+    host: str = Field(default="127.0.0.1", description="Listen address")
+    port: int = Field(default=8001, ge=0, le=65535, description="Listen port (0 = any free port)")
+    base_model: str = Field(default=str(DEFAULT_BASE_MODEL), min_length=1,
+                            description="Hugging Face directory (or hub id, where weights are cached) of the base LM")
+    served_model_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                          description="Model id of the base in the API; default: base_model as given")
+    dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$", description="Weights dtype")
+    threads: int | None = Field(default=None, ge=1, le=256, description="torch CPU threads (default: torch's)")
+    max_model_len: int | None = Field(default=None, ge=16, le=1_048_576,
+                                      description="Prompt + completion token limit (default: the model's context)")
+    max_tokens_limit: int = Field(default=1024, ge=1, le=65_536, description="Largest max_tokens one request may ask")
+    default_max_tokens: int = Field(default=16, ge=1, le=65_536,
+                                    description="max_tokens of a completion that names none (vLLM/OpenAI: 16)")
+    max_logprobs: int = Field(default=20, ge=0, le=1000, description="Most alternatives per token (vLLM: 20)")
+    max_stop_strings: int = Field(default=16, ge=0, le=256, description="Most stop strings per request")
+    max_prompts: int = Field(default=8, ge=1, le=256, description="Most prompts in one batched completion")
+    max_body_bytes: int = Field(default=4_000_000, ge=1024, le=100_000_000, description="Largest request body")
+    max_resident_adapters: int = Field(default=4, ge=1, le=256,
+                                       description="LoRA adapters held in memory at once (vLLM: --max-loras)")
+    max_lora_rank: int = Field(default=64, ge=1, le=1024, description="Largest LoRA rank accepted (vLLM: --max-lora-rank)")
+    adapter_cache_dir: Path = Field(default=DEFAULT_ADAPTER_CACHE,
+                                    description="Where pulled adapter versions are kept (<model_id>/<version>/)")
+    publisher_url: str | None = Field(default=None, min_length=1,
+                                      description="Publisher base URL: fetch unannounced versions (router@7) on demand")
+    fetch_timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Timeout of one adapter download")
+    consume_adapters: bool = Field(default=True, description="Follow the adapters topic (pull and load new versions)")
+    group_id: str = Field(default="fanroute-sampler", min_length=1, max_length=128,
+                          description="Consumer group on the adapters topic (one per sampler replica)")
+    accept_base_models: tuple[str, ...] = Field(
+        default=(), description="AdapterPublished.base_model values to load; empty = every announcement")
+
+    @property
+    def model_name(self) -> str:
+        """The base model's id in /v1/models and in requests."""
+        return self.served_model_name or self.base_model

@@ -1,0 +1,228 @@
+"""The ``adapters`` consumer and the adapter puller: announcement → download over HTTP → verify → load.
+
+A version is pulled into ``<cache>/<model_id>/<version>/`` through a *fetcher* (the publisher's
+client when it is installed, plain HTTP file downloads otherwise; tests inject their own), into a
+temporary dir first; every file is then hashed against the announcement, and only a dir that
+verifies is renamed into place and loaded. A mismatch deletes the download and names the file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+import uuid
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import quote
+
+from schemas.adapter import AdapterPublished
+from services.sampler.registry import (AdapterEntry, AdapterIntegrityError, AdapterRegistry, AdapterUnavailable,
+                                       parse_versioned, safe_relative, verify_files, versioned_name)
+
+log = logging.getLogger(__name__)
+VERIFIED_MARKER = ".fanroute-verified.json"
+
+
+class Fetcher(Protocol):
+    """Download ``model_id@version`` into ``dest_dir`` and return the adapter dir (blocking; run in a thread).
+
+    ``files_sha256`` is None when the version was never announced here: the fetcher must then get
+    and check the file list itself (the publisher client does).
+    """
+
+    def __call__(self, model_id: str, version: int, url: str | None, files_sha256: dict[str, str] | None,
+                 dest_dir: Path) -> Path: ...
+
+
+def http_file_fetcher(timeout_s: float) -> Fetcher:
+    """A fetcher that GETs ``<url>/<file name>`` for every announced file (needs the announcement)."""
+
+    def fetch(model_id: str, version: int, url: str | None, files_sha256: dict[str, str] | None,
+              dest_dir: Path) -> Path:
+        import httpx
+
+        if not url or not files_sha256:
+            raise AdapterUnavailable(f"{versioned_name(model_id, version)}: no announcement with a URL and "
+                                     "file list, and no publisher client to ask")
+        with httpx.Client(timeout=timeout_s, follow_redirects=True) as client:
+            for name in files_sha256:
+                target = dest_dir / safe_relative(name)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with client.stream("GET", f"{url.rstrip('/')}/{quote(name)}") as resp:
+                    resp.raise_for_status()
+                    with target.open("wb") as f:
+                        for chunk in resp.iter_bytes():
+                            f.write(chunk)
+        return dest_dir
+
+    return fetch
+
+
+def default_fetcher(publisher_url: str | None, timeout_s: float) -> Fetcher:
+    """The publisher's own client when it is installed and a publisher URL is set, else plain HTTP files."""
+    files = http_file_fetcher(timeout_s)
+    if not publisher_url:
+        return files
+    try:
+        from services.publisher.client import PublisherClient  # written alongside; optional until then
+    except ImportError:
+        log.warning("services.publisher.client is not available: pulling announced files over plain HTTP")
+        return files
+    client = PublisherClient(publisher_url)
+
+    def fetch(model_id: str, version: int, url: str | None, files_sha256: dict[str, str] | None,
+              dest_dir: Path) -> Path:
+        return Path(client.fetch_version(model_id, version, dest_dir))
+
+    return fetch
+
+
+class AdapterStore:
+    """The local cache of pulled versions: download into a temp dir, verify, rename into place."""
+
+    def __init__(self, root: Path, fetcher: Fetcher) -> None:
+        self.root = root
+        self.fetcher = fetcher
+
+    def dir_for(self, model_id: str, version: int) -> Path:
+        return self.root / quote(model_id, safe="") / str(version)
+
+    def pull(self, model_id: str, version: int, url: str | None, files_sha256: dict[str, str] | None) -> Path:
+        """A verified local dir for ``model_id@version`` (reused when already pulled); blocking."""
+        final = self.dir_for(model_id, version)
+        if (final / VERIFIED_MARKER).is_file():
+            if files_sha256 is None or self._marker(final).get("files_sha256") == files_sha256:
+                return final
+            shutil.rmtree(final)  # announced with other hashes than what we hold: pull again
+        partial = final.parent / f".partial-{version}-{uuid.uuid4().hex[:8]}"
+        partial.mkdir(parents=True)
+        try:
+            got = Path(self.fetcher(model_id, version, url, files_sha256, partial))
+            if got.resolve() != partial.resolve():  # a fetcher may put the files elsewhere
+                shutil.copytree(got, partial, dirs_exist_ok=True)
+            if files_sha256 is not None:
+                verify_files(partial, files_sha256)
+            (partial / VERIFIED_MARKER).write_text(json.dumps(
+                {"model_id": model_id, "version": version, "url": url, "files_sha256": files_sha256}))
+            if final.exists():
+                shutil.rmtree(final)
+            partial.rename(final)
+        finally:
+            if partial.exists():
+                shutil.rmtree(partial, ignore_errors=True)
+        return final
+
+    def scan(self) -> list[tuple[str, int, Path]]:
+        """Every verified version already in the cache, as (model_id, version, dir)."""
+        found = []
+        for marker in self.root.glob(f"*/*/{VERIFIED_MARKER}"):
+            meta = self._marker(marker.parent)
+            if isinstance(meta.get("model_id"), str) and isinstance(meta.get("version"), int):
+                found.append((meta["model_id"], meta["version"], marker.parent))
+        return sorted(found, key=lambda t: (t[0], t[1]))
+
+    @staticmethod
+    def _marker(path: Path) -> dict:
+        try:
+            return json.loads((path / VERIFIED_MARKER).read_text())
+        except (OSError, ValueError):
+            return {}
+
+
+class SamplerLike(Protocol):
+    """What the worker needs from the sampler: its registry and a way to check + load an adapter."""
+
+    registry: AdapterRegistry
+
+    async def register(self, entry: AdapterEntry) -> None: ...
+
+
+class AdapterWorker:
+    """Keeps the registry in step with the ``adapters`` topic, and pulls unknown versions on demand."""
+
+    def __init__(self, sampler: SamplerLike, store: AdapterStore, *, publisher_url: str | None = None,
+                 accept_base_models: tuple[str, ...] = ()) -> None:
+        self.sampler = sampler
+        self.store = store
+        self.publisher_url = publisher_url
+        self.accept_base_models = accept_base_models
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def restore(self) -> int:
+        """Register the versions already verified in the cache (after a restart); returns how many."""
+        reg = self.sampler.registry
+        found = self.store.scan()
+        for model_id, version, path in found:
+            reg.add(AdapterEntry(versioned_name(model_id, version), path, model_id=model_id, version=version))
+            if version >= (reg.newest_version(model_id) or 0):
+                reg.point_alias(model_id, versioned_name(model_id, version))
+        return len(found)
+
+    async def handle(self, msg: AdapterPublished) -> None:
+        """One announcement: remember it; if it is the newest version of its model id, pull, load, re-alias."""
+        if self.accept_base_models and msg.base_model not in self.accept_base_models:
+            log.warning("ignoring %s@%d: base %r is not one of %s", msg.model_id, msg.version, msg.base_model,
+                        self.accept_base_models)
+            return
+        reg = self.sampler.registry
+        reg.announce(msg)
+        newest = reg.newest_version(msg.model_id)
+        if newest is not None and msg.version < newest:
+            log.info("%s@%d announced after @%d: kept for on-demand use", msg.model_id, msg.version, newest)
+            return
+        await self.ensure(versioned_name(msg.model_id, msg.version))
+
+    async def ensure(self, requested: str) -> AdapterEntry:
+        """The adapter serving ``requested``, pulling it first if needed; AdapterUnavailable if it cannot be."""
+        reg = self.sampler.registry
+        entry = reg.resolve(requested)
+        if entry is not None:
+            return entry
+        target = self._target(requested)
+        if target is None:
+            raise AdapterUnavailable(f"The model `{requested}` does not exist: no adapter of that name is "
+                                     "loaded, announced or fetchable")
+        model_id, version = target
+        lock = self._locks.setdefault(versioned_name(model_id, version), asyncio.Lock())
+        async with lock:
+            entry = reg.get(versioned_name(model_id, version))
+            if entry is None:
+                entry = await self._pull_and_load(model_id, version)
+        return entry
+
+    def _target(self, requested: str) -> tuple[str, int] | None:
+        """(model_id, version) that ``requested`` names and that we have a way to fetch."""
+        reg = self.sampler.registry
+        parsed = parse_versioned(requested)
+        if parsed is not None:
+            if reg.announcement(*parsed) is not None or self.publisher_url:
+                return parsed
+            return None
+        latest = reg.announcement(requested)
+        return (requested, latest.version) if latest is not None else None
+
+    async def _pull_and_load(self, model_id: str, version: int) -> AdapterEntry:
+        reg = self.sampler.registry
+        name = versioned_name(model_id, version)
+        msg = reg.announcement(model_id, version)
+        try:
+            path = await asyncio.to_thread(self.store.pull, model_id, version, msg.url if msg else None,
+                                           dict(msg.files_sha256) if msg else None)
+        except AdapterIntegrityError as exc:
+            log.error("refusing %s: %s", name, exc)
+            raise AdapterUnavailable(f"{name}: download refused, not loaded: {exc}") from exc
+        except AdapterUnavailable:
+            raise
+        except Exception as exc:
+            raise AdapterUnavailable(f"{name}: could not be fetched: {type(exc).__name__}: {exc}") from exc
+        entry = AdapterEntry(name, path, model_id=model_id, version=version)
+        await self.sampler.register(entry)  # checks the dir and makes it resident; AdapterError if unusable
+        if version >= (reg.newest_version(model_id) or 0):
+            reg.point_alias(model_id, name)
+        log.info("adapter %s ready from %s (alias %s → %s)", name, path, model_id, reg.alias_target(model_id))
+        return entry
+
+
+__all__ = ["AdapterStore", "AdapterWorker", "Fetcher", "SamplerLike", "default_fetcher", "http_file_fetcher"]

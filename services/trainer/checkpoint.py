@@ -1,0 +1,118 @@
+"""Checkpoints: adapter, optimizer, scheduler, RNG states, step and data order — enough to resume exactly.
+
+Layout: ``<output_dir>/checkpoints/step_<N>/`` with ``adapter/`` (peft's files), ``state.pt``
+(optimizer, scheduler, RNG) and ``progress.json`` (step, batch order, config fingerprint). A
+checkpoint is written to a temporary directory and renamed, so a crash never leaves half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.common.errors import ConfigError
+
+CHECKPOINTS = "checkpoints"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stood at a checkpoint."""
+
+    step: int
+    batches: list[list[int]]
+    fingerprint: dict[str, Any]
+
+
+def checkpoint_dirs(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    root = Path(output_dir) / CHECKPOINTS
+    found = [p for p in root.glob("step_*") if (p / "progress.json").is_file()] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name.split("_")[1]))
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    found = checkpoint_dirs(output_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict[str, Any]:
+    """Python's and torch's RNG states."""
+    import torch
+
+    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` captured."""
+    import torch
+
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(output_dir: Path, model: Any, optimizer: Any, scheduler: Any, progress: Progress,
+                    keep: int) -> Path:
+    """Write checkpoint ``step_<N>`` atomically and prune to the newest ``keep``."""
+    import torch
+
+    root = Path(output_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{progress.step}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        model.save_pretrained(tmp / "adapter")
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
+                   tmp / "state.pt")
+        (tmp / "progress.json").write_text(json.dumps(
+            {"step": progress.step, "batches": progress.batches, "fingerprint": progress.fingerprint}) + "\n")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoint_dirs(output_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_progress(path: Path) -> Progress:
+    """The step, batch order and fingerprint stored in a checkpoint."""
+    raw = json.loads((Path(path) / "progress.json").read_text())
+    return Progress(int(raw["step"]), [list(b) for b in raw["batches"]], raw["fingerprint"])
+
+
+def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], path: Path) -> None:
+    """A resume must train the same thing: differing settings are a ConfigError naming them."""
+    differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+    if differ:
+        detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
+        raise ConfigError(f"cannot resume from {path}: settings changed ({detail})")
+
+
+def load_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any) -> Progress:
+    """Load adapter weights, optimizer, scheduler and RNG from ``path`` into the live objects."""
+    import torch
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    adapter = Path(path) / "adapter"
+    weights = adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ConfigError(f"checkpoint {path} has no adapter weights")
+    result = set_peft_model_state_dict(model, load_file(weights))
+    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if missing:
+        raise ConfigError(f"checkpoint {path}: adapter weights do not fit the model ({missing[:3]})")
+    state = torch.load(Path(path) / "state.pt", weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    return read_progress(path)

@@ -1,0 +1,224 @@
+"""Trainer settings: ``FANROUTE_`` env vars (nested with ``__``) overridden by command-line flags.
+
+A run kind is a discriminated union on ``type`` (only ``sft`` today; ``opsd`` and ``rl`` join
+the union later), so a config names what it trains and carries only that kind's knobs. Every
+flag is generated from the fields here, so ``--help`` and validation can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from services.common.settings import ServiceSettings
+from services.models.prepare import DEFAULT_BASE
+
+
+class SftRun(BaseModel):
+    """Supervised fine-tuning on the judge's orderings (loss on the assistant turn only)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    type: Literal["sft"] = Field(default="sft", description="Run kind")
+    reward_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                    description="Reward the window applies to (default: the episode's "
+                                                "first ndcg:<judge>:<rubric> component)")
+    reward_min: float | None = Field(default=None, ge=-1e6, le=1e6,
+                                     description="Keep episodes whose reward is at least this")
+    reward_max: float | None = Field(default=None, ge=-1e6, le=1e6,
+                                     description="Keep episodes whose reward is at most this")
+
+    @model_validator(mode="after")
+    def _window(self) -> SftRun:
+        if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
+            raise ValueError(f"reward_min {self.reward_min} is above reward_max {self.reward_max}")
+        return self
+
+
+RUN_KINDS: tuple[type[BaseModel], ...] = (SftRun,)
+
+
+def _run_type(value: Any) -> str:
+    """The tag of a run config (dict or model); a config without ``type`` is ``sft``."""
+    if isinstance(value, dict):
+        return value.get("type", "sft")
+    return getattr(value, "type", "sft")
+
+
+RunKind = Annotated[Union[Annotated[SftRun, Tag("sft")]], Discriminator(_run_type)]
+
+
+class LoraSettings(BaseModel):
+    """The LoRA adapter trained on the frozen base."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    r: int = Field(default=8, ge=1, le=256, description="LoRA rank")
+    alpha: int = Field(default=16, ge=1, le=1024, description="LoRA alpha (scale = alpha / r)")
+    dropout: float = Field(default=0.05, ge=0, lt=1, description="Dropout on the LoRA input")
+    target_modules: tuple[str, ...] = Field(default=("q_proj", "k_proj", "v_proj", "o_proj"), min_length=1,
+                                            description="Module names to adapt (comma-separated on the CLI)")
+
+
+class TrainerSettings(ServiceSettings):
+    """One training run: data, model, optimisation, evaluation, checkpoints and publishing."""
+
+    run: RunKind = Field(default_factory=SftRun, description="What to train (discriminated on type)")
+    base_model: str = Field(default=DEFAULT_BASE, min_length=1, max_length=4096,
+                            description=f"{DEFAULT_BASE!r} (the embedded GGUF, prepared once) or a "
+                                        "Hugging Face model directory")
+    output_dir: Path = Field(default=Path("out/train"), description="Run directory: config, metrics.jsonl, "
+                                                                   "checkpoints/, adapter/")
+    episodes_file: Path | None = Field(default=None, description="Read episodes from this JSONL (the "
+                                                                 "`fanroute dataset` format) instead of Kafka")
+    as_of: datetime | None = Field(default=None, description="Dataset as of this instant from the episodes "
+                                                             "topic (default: now)")
+    allow_uncalibrated: bool = Field(default=False, description="Train on episodes whose judge key has no "
+                                                                "open calibration gate (recorded in the run)")
+    max_steps: int = Field(default=1000, ge=1, le=10_000_000,
+                           description="Stop after this many steps (never more than one pass)")
+    batch_size: int = Field(default=8, ge=1, le=4096, description="Episodes per optimiser step")
+    max_tokens: int = Field(default=512, ge=16, le=131_072,
+                            description="Longest example in tokens; longer ones are cut at the end")
+    bucket_window: int = Field(default=16, ge=1, le=100_000,
+                               description="Batches sorted by length together (1 = random batches)")
+    lr: float = Field(default=2e-4, gt=0, le=1, description="Peak learning rate (AdamW)")
+    weight_decay: float = Field(default=0.0, ge=0, le=1, description="AdamW weight decay")
+    warmup_steps: int = Field(default=0, ge=0, le=1_000_000, description="Linear warm-up steps")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        default="linear", description="Decay after warm-up, over one pass (max_steps only stops early)")
+    max_grad_norm: float = Field(default=1.0, gt=0, le=1e6, description="Gradient clipping norm")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapter")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed for LoRA init, data order and dropout")
+    eval_fraction: float = Field(default=0.1, ge=0, le=0.9,
+                                 description="Share of distinct queries held out (by hash of the user turn)")
+    eval_every: int = Field(default=50, ge=0, le=10_000_000,
+                            description="Evaluate every N steps (0 = only at the end)")
+    eval_max_examples: int = Field(default=64, ge=1, le=100_000, description="Held-out episodes evaluated")
+    eval_max_new_tokens: int = Field(default=48, ge=1, le=1024, description="Greedy tokens per answer")
+    grades_source: Literal["auto", "verdicts", "ordering"] = Field(
+        default="auto", description="Judge grades for eval: verdicts topic, or tier ranks of the episode's "
+                                    "ordering (auto: verdicts when reading Kafka, ordering for a file)")
+    checkpoint_every: int = Field(default=50, ge=0, le=10_000_000,
+                                  description="Checkpoint every N steps (0 = only at the end)")
+    keep_checkpoints: int = Field(default=3, ge=1, le=1000, description="Newest checkpoints kept")
+    resume: bool = Field(default=False, description="Continue from the newest checkpoint in output_dir")
+    init_adapter: Path | None = Field(default=None, description="Start from this published adapter directory")
+    publisher_url: str | None = Field(default=None, min_length=1, max_length=2048,
+                                      description="Publish the adapter here when done (default: skip)")
+    model_id: str | None = Field(default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$",
+                                 description="Id to publish under (default: the output directory's name)")
+    dry_run: bool = Field(default=False, description="Validate, resolve and print config and data counts; "
+                                                     "train nothing")
+    threads: int = Field(default=0, ge=0, le=512, description="torch CPU threads (0 = torch's default)")
+
+    @property
+    def publish_id(self) -> str:
+        """The model id the adapter is published under."""
+        return self.model_id or self.output_dir.resolve().name
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """The settings a resumed run must share with the run it continues."""
+        keep = self.model_dump(mode="json", exclude=RESUMABLE_CHANGES)
+        return keep
+
+
+#: Settings a resume may change: they steer how long and how visibly a run goes, not what it learns.
+RESUMABLE_CHANGES = {"max_steps", "resume", "dry_run", "eval_every", "eval_max_examples", "eval_max_new_tokens",
+                     "checkpoint_every", "keep_checkpoints", "publisher_url", "model_id", "threads", "log_level",
+                     "kafka", "redis", "output_dir", "grades_source", "as_of", "episodes_file"}
+
+# ----------------------------------------------------------------------------- command-line flags
+
+_PREFIX = "cfg."
+_ENV_ONLY = {"kafka", "redis"}
+
+
+def instant(text: str) -> datetime:
+    """An ISO-8601 instant; a naive one is read as UTC."""
+    try:
+        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO-8601 time: {text!r} (e.g. 2026-09-01T00:00:00Z)")
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def _csv(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _plain(annotation: Any) -> Any:
+    """``X`` from ``X | None``."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else annotation
+    return annotation
+
+
+def _add_flag(group: argparse._ArgumentGroup, flag: str, dest: str, field: Any) -> None:
+    """One flag for one scalar field; its help is the field's description."""
+    kind = _plain(field.annotation)
+    default = field.default if field.default_factory is None else field.default_factory()
+    help_ = field.description if "default" in field.description else f"{field.description} (default {default})"
+    kw: dict[str, Any] = {"dest": _PREFIX + dest, "default": argparse.SUPPRESS, "help": help_,
+                          "metavar": dest.rsplit(".", 1)[-1].upper()}
+    if kind is bool:
+        del kw["metavar"]
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+        return
+    if typing.get_origin(kind) is Literal:
+        kw["choices"], kw["metavar"] = typing.get_args(kind), None
+    elif typing.get_origin(kind) is tuple:
+        kw["type"], kw["metavar"] = _csv, "A,B"
+    elif kind is datetime:
+        kw["type"] = instant
+    elif kind in (int, float, Path):
+        kw["type"] = kind
+    group.add_argument(flag, **kw)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """A flag per setting: ``--batch-size``, ``--lora-r``, ``--kind`` and the run kinds' own fields."""
+    main = parser.add_argument_group("run")
+    for name, field in TrainerSettings.model_fields.items():
+        if name in _ENV_ONLY:
+            continue
+        if name == "run":
+            kinds = parser.add_argument_group("run kind", "--kind and the fields of each kind")
+            kinds.add_argument("--kind", dest=_PREFIX + "run.type", default=argparse.SUPPRESS,
+                               choices=[k.model_fields["type"].default for k in RUN_KINDS], help="Run kind")
+            seen = {"type"}
+            for kind in RUN_KINDS:
+                for sub, f in kind.model_fields.items():
+                    if sub not in seen:
+                        seen.add(sub)
+                        _add_flag(kinds, "--" + sub.replace("_", "-"), f"run.{sub}", f)
+        elif name == "lora":
+            lora = parser.add_argument_group("LoRA")
+            for sub, f in LoraSettings.model_fields.items():
+                _add_flag(lora, f"--lora-{sub.replace('_', '-')}", f"lora.{sub}", f)
+        else:
+            _add_flag(main, "--" + name.replace("_", "-"), name, field)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags actually given, as a nested dict of settings."""
+    out: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if not key.startswith(_PREFIX):
+            continue
+        *parents, leaf = key[len(_PREFIX):].split(".")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def settings_from_args(args: argparse.Namespace) -> TrainerSettings:
+    """Env settings with the given flags on top (raises pydantic's ValidationError when invalid)."""
+    return TrainerSettings(**overrides_from_args(args))

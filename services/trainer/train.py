@@ -1,0 +1,387 @@
+"""The training run: plan (data, gate, split, batches), then LoRA steps, evaluation, checkpoints, publish.
+
+:func:`plan_run` does everything that needs no weights, so ``--dry-run`` prints exactly what a
+run would train on. :func:`train` runs it: at most one pass over the training episodes (with N
+episodes and G per batch, ceil(N/G) steps, however many were asked), the LR schedule defined over
+that pass (so ``max_steps`` only stops early and a resumed run continues the same schedule).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from schemas.episode import Episode
+from services.common.errors import BusError, ConfigError
+from services.models.prepare import is_prepared, resolve_base
+from services.trainer import checkpoint as ckpt
+from services.trainer.data import (
+    Example,
+    GateCheck,
+    GateLookup,
+    batch_order,
+    build_examples,
+    check_gates,
+    collate,
+    episode_judge,
+    judge_keys,
+    kafka_gate_lookup,
+    load_episodes_file,
+    load_episodes_topic,
+    padding_stats,
+    select,
+    split_by_query,
+)
+from services.trainer.evaluate import GradesFor, eval_items, evaluate, load_kafka_grades
+from services.trainer.settings import TrainerSettings
+
+Out = Callable[[str], None]
+
+
+class Publisher(Protocol):
+    """Anything that can publish a finished adapter (e.g. services.publisher.client.PublisherClient)."""
+
+    def publish(self, model_id: str, adapter_dir: Path, base_model: str, metrics: dict) -> dict: ...
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+@dataclass
+class Plan:
+    """What a run will train on and how, resolved without loading weights."""
+
+    settings: TrainerSettings
+    source: str
+    counts: dict[str, Any]
+    gates: list[GateCheck]
+    train_episodes: list[Episode]
+    eval_episodes: list[Episode]
+    base_dir: Path
+    tokenizer: Any = None
+    examples: list[Example] = field(default_factory=list)
+    batches: list[list[int]] = field(default_factory=list)
+
+    @property
+    def steps_per_pass(self) -> int:
+        return len(self.batches)
+
+    @property
+    def steps(self) -> int:
+        return min(self.settings.max_steps, self.steps_per_pass)
+
+    @property
+    def capped(self) -> bool:
+        return self.settings.max_steps > self.steps_per_pass
+
+    @property
+    def uncalibrated_episodes(self) -> int:
+        return sum(g.episodes for g in self.gates if g.status != "open")
+
+    def one_pass_line(self) -> str:
+        """The one-pass rule, said out loud."""
+        n, g = len(self.examples), self.settings.batch_size
+        head = f"one pass over {n} training episodes at {g} per batch is {self.steps_per_pass} steps"
+        if self.capped:
+            return f"{head}; stopping after {self.steps} although max_steps={self.settings.max_steps} was asked"
+        return f"{head}; running {self.steps} (max_steps={self.settings.max_steps})"
+
+    def data_fingerprint(self) -> str:
+        """Hash of the training episode ids in example order (a resume must see the same data)."""
+        return hashlib.sha256("\n".join(e.episode_id for e in self.examples).encode()).hexdigest()[:24]
+
+    def record(self) -> dict[str, Any]:
+        """The plan as JSON-able data (config.json, dry-run output, the metrics header)."""
+        return {
+            "config": self.settings.model_dump(mode="json"),
+            "base_model_dir": str(self.base_dir),
+            "source": self.source,
+            "data": self.counts,
+            "gates": [g.__dict__ | {"providers": list(g.providers)} for g in self.gates],
+            "allow_uncalibrated": self.settings.allow_uncalibrated,
+            "uncalibrated_episodes": self.uncalibrated_episodes,
+            "one_pass": {"steps_asked": self.settings.max_steps, "steps_per_pass": self.steps_per_pass,
+                         "steps": self.steps, "capped": self.capped, "message": self.one_pass_line()}
+            if self.batches else None,
+        }
+
+
+@dataclass
+class RunResult:
+    """What a run did."""
+
+    trained: bool
+    steps: int
+    output_dir: Path
+    plan: Plan
+    adapter_dir: Path | None = None
+    final_metrics: dict[str, Any] = field(default_factory=dict)
+    published: dict | None = None
+
+
+# ----------------------------------------------------------------------------- planning
+
+
+def _from_kafka(fn: Callable[[], Any], what: str, settings: TrainerSettings) -> Any:
+    """Run a Kafka read; an unreachable broker is a BusError that says what was being read."""
+    try:
+        return fn()
+    except Exception as exc:  # aiokafka raises its own hierarchy; keep the message, name the job
+        if type(exc).__module__.startswith("aiokafka"):
+            raise BusError(f"reading {what} from Kafka at {settings.kafka.bootstrap_servers}: {exc}") from exc
+        raise
+
+
+def load_dataset(settings: TrainerSettings, episodes: Sequence[Episode] | None) -> tuple[list[Episode], str]:
+    """Episodes (given, from the file, or from the topic as of a time) and where they came from."""
+    if episodes is not None:
+        return list(episodes), "given"
+    if settings.episodes_file is not None:
+        return load_episodes_file(settings.episodes_file), f"file {settings.episodes_file}"
+    as_of = settings.as_of or datetime.now(UTC)
+    found = _from_kafka(lambda: asyncio.run(load_episodes_topic(settings.kafka, as_of)), "episodes", settings)
+    return found, f"topic episodes as of {as_of.isoformat()}"
+
+
+def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = None,
+             gate_lookup: GateLookup | None = None) -> Plan:
+    """Load, select, gate, split and tokenize; the batch order of the one pass. No weights loaded."""
+    found, source = load_dataset(settings, episodes)
+    run = settings.run
+    selection = select(found, run.reward_name, run.reward_min, run.reward_max)
+    if gate_lookup is None and not (settings.allow_uncalibrated and settings.episodes_file is not None):
+        wanted = judge_keys(selection.kept, run.reward_name)
+        gate_lookup = _from_kafka(lambda: asyncio.run(kafka_gate_lookup(settings.kafka, wanted)),
+                                  "calibration gates", settings)
+    gates = check_gates(selection.kept, run.reward_name, gate_lookup, settings.allow_uncalibrated)
+    train_eps, eval_eps = split_by_query(selection.kept, settings.eval_fraction)
+    counts: dict[str, Any] = dict(selection.counts) | {"reward": selection.reward, "train_episodes": len(train_eps),
+                                                       "eval_episodes": len(eval_eps)}
+    if not train_eps:
+        raise ConfigError(f"eval_fraction {settings.eval_fraction} holds out every one of the "
+                          f"{len(selection.kept)} selected episodes; nothing is left to train on")
+    base_dir = resolve_base(settings.base_model, prepare=not settings.dry_run)
+    plan = Plan(settings, source, counts, gates, train_eps, eval_eps[:settings.eval_max_examples], base_dir)
+    if not is_prepared(base_dir) and not (base_dir / "tokenizer_config.json").is_file():
+        counts["tokens"] = f"not counted: {base_dir} is not prepared (fanroute models prepare)"
+        return plan
+    from transformers import AutoTokenizer
+
+    plan.tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    built = build_examples(plan.tokenizer, train_eps, settings.max_tokens)
+    counts.update(built.counts)
+    if not built.examples:
+        raise ConfigError(f"max_tokens {settings.max_tokens} cuts off the assistant turn of every training episode")
+    plan.examples = built.examples
+    plan.batches = batch_order([len(e.input_ids) for e in built.examples], settings.batch_size,
+                               settings.bucket_window, settings.seed)
+    counts.update(padding_stats(built.examples, plan.batches))
+    return plan
+
+
+def grades_lookup(plan: Plan, grades_for: GradesFor | None) -> GradesFor | None:
+    """The eval grades source: injected, the verdicts topic, or None (tier ranks of the ordering)."""
+    s = plan.settings
+    if grades_for is not None or not plan.eval_episodes:
+        return grades_for
+    if s.grades_source == "ordering" or (s.grades_source == "auto" and s.episodes_file is not None):
+        return None
+    wanted = {ep.trace_id: key for ep in plan.eval_episodes
+              if ep.trace_id and (key := episode_judge(ep, s.run.reward_name)) is not None}
+    return _from_kafka(lambda: load_kafka_grades(s.kafka, wanted), "verdicts", s)
+
+
+def publisher_for(settings: TrainerSettings) -> Publisher | None:
+    """A PublisherClient for ``publisher_url`` (imported only when one is configured)."""
+    if settings.publisher_url is None:
+        return None
+    try:
+        from services.publisher.client import PublisherClient
+    except ImportError as exc:
+        raise ConfigError(f"publisher_url is set but services.publisher.client is not available: {exc}") from exc
+    return PublisherClient(settings.publisher_url)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def build_model(plan: Plan, out: Out) -> Any:
+    """The base model with a trainable LoRA adapter (fresh, seeded; or loaded from init_adapter)."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    s = plan.settings
+    torch.manual_seed(s.seed)
+    base = AutoModelForCausalLM.from_pretrained(plan.base_dir, dtype=torch.float32)
+    if s.init_adapter is not None:
+        if not (s.init_adapter / "adapter_config.json").is_file():
+            raise ConfigError(f"init_adapter {s.init_adapter} is not a peft adapter directory (no adapter_config.json)")
+        out(f"starting from adapter {s.init_adapter} (its LoRA shape replaces the lora settings)")
+        model = PeftModel.from_pretrained(base, s.init_adapter, is_trainable=True)
+    else:
+        cfg = LoraConfig(r=s.lora.r, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
+                         target_modules=list(s.lora.target_modules), task_type="CAUSAL_LM")
+        try:
+            model = get_peft_model(base, cfg)
+        except ValueError as exc:
+            raise ConfigError(f"LoRA target modules {list(s.lora.target_modules)} do not fit the base: {exc}") from exc
+    model.train()
+    return model
+
+
+def build_optimizer(plan: Plan, model: Any) -> tuple[Any, Any]:
+    """AdamW over the adapter's parameters and an LR schedule over one pass."""
+    import torch
+    from transformers import get_scheduler
+
+    s = plan.settings
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=s.lr, weight_decay=s.weight_decay)
+    name = "constant_with_warmup" if s.lr_schedule == "constant" else s.lr_schedule
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=s.warmup_steps,
+                              num_training_steps=max(plan.steps_per_pass, 1))
+    return optimizer, scheduler
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+class MetricsLog:
+    """metrics.jsonl in the run directory (appended on resume) plus a progress line on stdout."""
+
+    def __init__(self, path: Path, fresh: bool, out: Out) -> None:
+        self.path, self.out = path, out
+        if fresh:
+            path.write_text("")
+
+    def write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
+
+
+def _train_step(model: Any, optimizer: Any, scheduler: Any, examples: list[Example], pad_id: int,
+                max_grad_norm: float) -> dict[str, float]:
+    """One optimiser step on one batch; the step's metrics."""
+    import torch
+
+    batch = collate(examples, pad_id)
+    t0 = time.perf_counter()
+    lr = scheduler.get_last_lr()[0]
+    loss = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                 labels=batch.labels_BT, use_cache=False).loss
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0
+    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": lr, "tokens": batch.tokens,
+            "tokens_per_s": batch.tokens / dt, "nonpad_fraction": batch.nonpad_fraction, "step_time_s": dt,
+            "batch_size": len(examples)}
+
+
+def _save_adapter(model: Any, target: Path) -> Path:
+    """The final adapter, written next to ``target`` and renamed into place."""
+    tmp = Path(tempfile.mkdtemp(prefix=".adapter.", dir=target.parent))
+    model.save_pretrained(tmp)
+    if target.exists():
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = None,
+          gate_lookup: GateLookup | None = None, grades_for: GradesFor | None = None,
+          publisher: Publisher | None = None, out: Out = _print) -> RunResult:
+    """Plan, then (unless dry-run) train, evaluate, checkpoint and publish; see the module docstring."""
+    plan = plan_run(settings, episodes=episodes, gate_lookup=gate_lookup)
+    s, output_dir = settings, settings.output_dir
+    if s.dry_run:
+        out(json.dumps(plan.record(), indent=2, sort_keys=True, default=str))
+        out(f"dry run: {plan.one_pass_line() if plan.batches else 'tokens not counted'}; nothing trained")
+        return RunResult(False, 0, output_dir, plan)
+    if s.allow_uncalibrated and plan.uncalibrated_episodes:
+        out(f"allow_uncalibrated: training on {plan.uncalibrated_episodes} episodes without an open gate")
+    publisher = publisher if publisher is not None else publisher_for(s)
+    latest = ckpt.latest_checkpoint(output_dir)
+    if s.resume and latest is None:
+        raise ConfigError(f"resume asked but {output_dir} has no checkpoint")
+    if not s.resume and latest is not None:
+        raise ConfigError(f"{output_dir} already holds checkpoints ({latest.name}); pass --resume or use another "
+                          "output_dir")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    eval_set = eval_items(plan.tokenizer, plan.eval_episodes, grades_lookup(plan, grades_for))
+
+    import torch
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    model = build_model(plan, out)
+    optimizer, scheduler = build_optimizer(plan, model)
+    fingerprint = s.fingerprint_fields() | {"data": plan.data_fingerprint()}
+    start = 0
+    if latest is not None:
+        ckpt.check_fingerprint(ckpt.read_progress(latest).fingerprint, json.loads(json.dumps(fingerprint)), latest)
+        progress = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
+        start, plan.batches = progress.step, progress.batches
+        out(f"resumed from {latest} at step {start}")
+    metrics = MetricsLog(output_dir / "metrics.jsonl", fresh=latest is None, out=out)
+    header = plan.record() | {"event": "start", "step": start, "resumed_from": start if latest else None}
+    (output_dir / "config.json").write_text(json.dumps(plan.record(), indent=2, sort_keys=True, default=str) + "\n")
+    metrics.write(header)
+    out(plan.one_pass_line())
+    pad_id = plan.tokenizer.pad_token_id if plan.tokenizer.pad_token_id is not None else plan.tokenizer.eos_token_id
+    final: dict[str, Any] = {}
+
+    def run_eval(step: int) -> None:
+        if eval_set:
+            scores = evaluate(model, plan.tokenizer, eval_set, s.eval_max_new_tokens)
+            metrics.write({"step": step, **scores})
+            final.update(scores)
+            out(f"eval step {step}: ndcg {scores['test/ndcg']:.3f} top1 {scores['test/top1']:.3f} "
+                f"parsed {scores['test/parse_ok']:.2f} (n={scores['test/n']})")
+
+    def save(step: int) -> None:
+        ckpt.save_checkpoint(output_dir, model, optimizer, scheduler,
+                             ckpt.Progress(step, plan.batches, fingerprint), s.keep_checkpoints)
+
+    for step in range(start + 1, plan.steps + 1):
+        rec = _train_step(model, optimizer, scheduler, [plan.examples[i] for i in plan.batches[step - 1]], pad_id,
+                          s.max_grad_norm)
+        rec = {"step": step, "epoch": step / plan.steps_per_pass, **rec}
+        metrics.write(rec)
+        final.update({f"train/{k}": v for k, v in rec.items() if k not in ("step", "epoch")})
+        out(f"step {step}/{plan.steps} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} lr {rec['lr']:.2e} "
+            f"tok/s {rec['tokens_per_s']:.0f} nonpad {rec['nonpad_fraction']:.2f} "
+            f"({rec['step_time_s']:.2f}s, {rec['epoch']:.2f} of a pass)")
+        if s.checkpoint_every and step % s.checkpoint_every == 0 and step < plan.steps:
+            save(step)
+        if s.eval_every and step % s.eval_every == 0 and step < plan.steps:
+            run_eval(step)
+    if start < plan.steps:
+        save(plan.steps)
+    run_eval(plan.steps)
+    adapter_dir = _save_adapter(model, output_dir / "adapter")
+    final |= {"steps": plan.steps, "episodes": len(plan.examples), "allow_uncalibrated": s.allow_uncalibrated,
+              "uncalibrated_episodes": plan.uncalibrated_episodes, "one_pass_capped": plan.capped}
+    metrics.write({"event": "end", "step": plan.steps, **final})
+    published = None
+    if publisher is not None:
+        published = publisher.publish(s.publish_id, adapter_dir, s.base_model, dict(final))
+        out(f"published {s.publish_id}: {published}")
+    (output_dir / "summary.json").write_text(json.dumps(
+        {"final": final, "adapter_dir": str(adapter_dir), "published": published}, indent=2, sort_keys=True,
+        default=str) + "\n")
+    out(f"done: {plan.steps} steps, adapter at {adapter_dir}")
+    return RunResult(True, plan.steps, output_dir, plan, adapter_dir, final, published)
