@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request, Response
@@ -26,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import FanrouteError
-from services.sampler.engine import Engine, Generation, SamplingParams
+from services.common.http import BodyLimit
+from services.sampler.engine import Engine, Generation, PromptError, SamplingParams
 from services.sampler.registry import (AdapterEntry, AdapterError, AdapterRegistry, AdapterUnavailable,
                                        check_adapter_dir, parse_versioned)
 from services.sampler.settings import SamplerSettings
@@ -173,7 +175,7 @@ class Sampler:
         if restored:
             log.info("restored %d verified adapter versions from %s", restored, self.settings.adapter_cache_dir)
         if self.settings.consume_adapters:
-            self.bus.subscribe(topic("adapters"), self.worker.handle, group_id=self.settings.group_id)
+            self.bus.subscribe(topic("adapters"), self.worker.handle, group_id=self.settings.consumer_group)
             await self.bus.start((topic("adapters"),))
 
     async def stop(self) -> None:
@@ -191,8 +193,7 @@ class Sampler:
         with self.eng.lock:
             old = self.registry.get(entry.name)
             if old is not None and replace:
-                self._evict(old)
-                self.registry.remove(old.name)
+                self._evict(old)  # the new entry takes its name (and keeps the aliases to it)
             self.registry.add(entry)
             try:
                 self._resident_slot(entry)
@@ -241,8 +242,6 @@ class Sampler:
             raise ApiError(400, "already_loaded", f"The lora adapter '{name}' has already been loaded. If you "
                            "want to load the adapter in place, set 'load_inplace' to True.",
                            vllm_type="InvalidUserInput", param="lora_name")
-        from pathlib import Path
-
         parsed = parse_versioned(name)
         entry = AdapterEntry(name, Path(path).expanduser(), model_id=parsed[0] if parsed else None,
                              version=parsed[1] if parsed else None)
@@ -434,7 +433,7 @@ async def create_chat_completion(s: Sampler, req: ChatCompletionRequest) -> dict
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
         ids = s.eng.chat_prompt(messages)
-    except AdapterError as exc:
+    except PromptError as exc:
         raise bad_request(str(exc), "messages") from exc
     except Exception as exc:  # a template may raise on roles or orders it does not support
         raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
@@ -492,12 +491,8 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
                   description="vLLM-compatible completions with token ids, logprobs and runtime LoRA, on CPU.")
     app.state.sampler = s
 
-    @app.middleware("http")
-    async def body_limit(request: Request, call_next: Any) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-            return _error(ApiError(413, "body_too_large", f"request body over {settings.max_body_bytes} bytes"))
-        return await call_next(request)
+    app.add_middleware(BodyLimit, default=settings.max_body_bytes,
+                       on_reject=s.metrics.requests.labels("*", "413").inc)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

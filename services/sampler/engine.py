@@ -10,6 +10,7 @@ sequence of calls (the app runs one request at a time; on CPU that is also the f
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -18,10 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from services.common.errors import FanrouteError
 from services.sampler.registry import AdapterError
 
 log = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
+
+
+class PromptError(FanrouteError, ValueError):
+    """A prompt cannot be built, e.g. chat messages for a tokenizer without a chat template."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,10 @@ class Engine:
         context = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or context, context)
         self.eos_token_ids = self._eos_ids()
+        # transformers 5 renamed forward's ``past_key_values`` to ``cache``; older ones lack ``logits_to_keep``
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self._keep_last = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         log.info("loaded %s (%s, context %d) in %.1fs", self.model_dir, dtype, self.max_model_len,
                  time.perf_counter() - t0)
 
@@ -94,7 +104,7 @@ class Engine:
     def chat_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         """Render ``messages`` with the tokenizer's chat template (plus the generation prompt), then tokenize."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise AdapterError("the base model's tokenizer has no chat template; use /v1/completions")
+            raise PromptError("the base model's tokenizer has no chat template; use /v1/completions")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
@@ -166,7 +176,8 @@ class Engine:
         stops = tuple(s for s in params.stop if s)
         with self.lock, torch.inference_mode():
             self._activate(slot)
-            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, logits_to_keep=1)
+            kv = {self._cache_kwarg: self._new_cache()}  # filled in place, step by step
+            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **self._keep_last, **kv)
             for _ in range(params.max_tokens):
                 logits_V = out.logits[0, -1].float()
                 logprobs_V = torch.log_softmax(logits_V, dim=-1)
@@ -177,12 +188,19 @@ class Engine:
                     gen.top_logprobs.append(_top_entries(logprobs_V, token, params.logprobs))
                 if self._finished(gen, token, params, stops):
                     break
-                out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
-                                 use_cache=True)
+                out = self.model(input_ids=torch.tensor([[token]]), use_cache=True, **kv)
         if not isinstance(gen.stop_reason, str):  # a stop string already cut the text
             gen.text = self.decode(gen.token_ids, skip_special_tokens=params.skip_special_tokens)
         gen.seconds = time.perf_counter() - t0
         return gen
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # transformers 4.x: no config argument
+            return DynamicCache()
 
     def _finished(self, gen: Generation, token: int, params: SamplingParams, stops: tuple[str, ...]) -> bool:
         """Set the finish reason and return True when ``token`` ends the generation."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 from pydantic import Field
@@ -34,17 +35,26 @@ class SamplerSettings(ServiceSettings):
     max_body_bytes: int = Field(default=4_000_000, ge=1024, le=100_000_000, description="Largest request body")
     max_resident_adapters: int = Field(default=4, ge=1, le=256,
                                        description="LoRA adapters held in memory at once (vLLM: --max-loras)")
-    max_lora_rank: int = Field(default=64, ge=1, le=1024, description="Largest LoRA rank accepted (vLLM: --max-lora-rank)")
+    max_lora_rank: int = Field(default=64, ge=1, le=1024,
+                               description="Largest LoRA rank accepted (vLLM: --max-lora-rank)")
     adapter_cache_dir: Path = Field(default=DEFAULT_ADAPTER_CACHE,
                                     description="Where pulled adapter versions are kept (<model_id>/<version>/)")
-    publisher_url: str | None = Field(default=None, min_length=1,
-                                      description="Publisher base URL: fetch unannounced versions (router@7) on demand")
+    publisher_url: str | None = Field(
+        default=None, min_length=1,
+        description="Publisher base URL (e.g. http://publisher:8010): pull through its client, and fetch "
+                    "versions never announced here (router@7) on demand; unset = plain HTTP from message URLs")
     fetch_timeout_s: float = Field(default=60.0, gt=0, le=3600, description="Timeout of one adapter download")
     consume_adapters: bool = Field(default=True, description="Follow the adapters topic (pull and load new versions)")
-    group_id: str = Field(default="fanroute-sampler", min_length=1, max_length=128,
-                          description="Consumer group on the adapters topic (one per sampler replica)")
+    group_id: str | None = Field(default=None, min_length=1, max_length=128,
+                                 description="Consumer group on the adapters topic; default one per host, "
+                                             "since every replica must see every adapter")
     accept_base_models: tuple[str, ...] = Field(
         default=(), description="AdapterPublished.base_model values to load; empty = every announcement")
+
+    @property
+    def consumer_group(self) -> str:
+        """``group_id``, or ``fanroute-sampler.<hostname>`` so that each replica loads every version."""
+        return self.group_id or f"fanroute-sampler.{socket.gethostname()}"
 
     @property
     def model_name(self) -> str:

@@ -14,12 +14,13 @@ import logging
 import shutil
 import uuid
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from schemas.adapter import AdapterPublished
-from services.sampler.registry import (AdapterEntry, AdapterIntegrityError, AdapterRegistry, AdapterUnavailable,
-                                       parse_versioned, safe_relative, verify_files, versioned_name)
+from services.sampler.registry import (AdapterEntry, AdapterError, AdapterIntegrityError, AdapterRegistry,
+                                       AdapterUnavailable, parse_versioned, safe_relative, verify_files,
+                                       versioned_name)
 
 log = logging.getLogger(__name__)
 VERIFIED_MARKER = ".fanroute-verified.json"
@@ -60,20 +61,20 @@ def http_file_fetcher(timeout_s: float) -> Fetcher:
     return fetch
 
 
-def default_fetcher(publisher_url: str | None, timeout_s: float) -> Fetcher:
-    """The publisher's own client when it is installed and a publisher URL is set, else plain HTTP files."""
-    files = http_file_fetcher(timeout_s)
+def default_fetcher(publisher_url: str | None, timeout_s: float, *, client: Any = None) -> Fetcher:
+    """The publisher's client when a publisher URL is set (it checks the manifest and every hash
+    itself), else plain HTTP downloads of the announced files (``<message url>/<file name>``)."""
     if not publisher_url:
-        return files
-    try:
-        from services.publisher.client import PublisherClient  # written alongside; optional until then
-    except ImportError:
-        log.warning("services.publisher.client is not available: pulling announced files over plain HTTP")
-        return files
-    client = PublisherClient(publisher_url)
+        return http_file_fetcher(timeout_s)
+    if client is None:
+        from services.publisher.client import PublisherClient
+
+        client = PublisherClient(publisher_url, timeout_s)
 
     def fetch(model_id: str, version: int, url: str | None, files_sha256: dict[str, str] | None,
               dest_dir: Path) -> Path:
+        if url and files_sha256:  # announced: the manifest must list exactly the announced files
+            return Path(client.fetch_url(url, dest_dir, expect_sha256=files_sha256))
         return Path(client.fetch_version(model_id, version, dest_dir))
 
     return fetch
@@ -218,7 +219,11 @@ class AdapterWorker:
         except Exception as exc:
             raise AdapterUnavailable(f"{name}: could not be fetched: {type(exc).__name__}: {exc}") from exc
         entry = AdapterEntry(name, path, model_id=model_id, version=version)
-        await self.sampler.register(entry)  # checks the dir and makes it resident; AdapterError if unusable
+        try:
+            await self.sampler.register(entry)  # checks the dir and makes it resident
+        except AdapterError as exc:  # verified bytes, unusable adapter: do not keep it for a restart
+            await asyncio.to_thread(shutil.rmtree, path, True)
+            raise AdapterUnavailable(f"{name}: pulled but not loadable: {exc}") from exc
         if version >= (reg.newest_version(model_id) or 0):
             reg.point_alias(model_id, name)
         log.info("adapter %s ready from %s (alias %s → %s)", name, path, model_id, reg.alias_target(model_id))
