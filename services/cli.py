@@ -51,6 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     ad = sub.add_parser("adapters", help="published adapters: export as a PEFT dir or a merged model")
     add_export(ad.add_subparsers(dest="action", required=True))
     sub.add_parser("publisher", help="serve the adapter publisher (same as python -m services.publisher)")
+    sub.add_parser("sampler", help="serve the CPU sampler (same as python -m services.sampler)")
+    from services.models.prepare import add_parser as add_models
+    from services.trainer.__main__ import add_parser as add_train
+
+    add_models(sub)
+    add_train(sub)
     return p
 
 
@@ -71,6 +77,18 @@ def main(argv: list[str] | None = None) -> int:
 
         return episodes_main()
     setup_logging("WARNING")
+    if args.cmd == "sampler":
+        from services.sampler.__main__ import main as sampler_main
+
+        return sampler_main()
+    if args.cmd == "models":
+        from services.models.prepare import run as models_run
+
+        return models_run(args)
+    if args.cmd == "train":
+        from services.trainer.__main__ import run as train_run
+
+        return train_run(args)
     if args.cmd == "publisher":
         from services.publisher.__main__ import main as publisher_main
 

@@ -103,14 +103,19 @@ def resolve_base(spec: str, *, prepare: bool = True) -> Path:
     return path
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``fanroute models prepare [--dir DIR] [--force]``."""
-    m = sub.add_parser("models", help="base models for training and sampling")
-    ms = m.add_subparsers(dest="action", required=True)
-    p = ms.add_parser("prepare", help=f"cache {DEFAULT_BASE} from the installed GGUF as safetensors")
+def _add_actions(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("prepare", help=f"cache {DEFAULT_BASE} from the installed GGUF as safetensors")
     p.add_argument("--dir", type=Path, default=None,
                    help=f"target directory (default ${MODELS_DIR_ENV}/{DEFAULT_BASE} or ~/.cache/fanroute/models/...)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``models prepare [--dir DIR] [--force]`` on a subparsers object (``fanroute models ...``)."""
+    parser = sub.add_parser("models", help="base models for training and sampling")
+    _add_actions(parser)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -126,7 +131,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m services.models prepare ...``."""
-    parser = argparse.ArgumentParser(prog="python -m services.models")
-    add_parser(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(["models", *(sys.argv[1:] if argv is None else argv)])
-    return run(args)
+    parser = argparse.ArgumentParser(prog="python -m services.models", description=__doc__.splitlines()[0])
+    _add_actions(parser)
+    return run(parser.parse_args(argv))

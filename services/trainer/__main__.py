@@ -21,7 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``fanroute train`` from parsed args: 0 done, 2 invalid settings or refused data, 1 other failure."""
+    """Run ``fanroute train`` from parsed args.
+
+    Exit 0 done; 2 invalid settings or refused data; 1 Kafka unreachable or publishing failed.
+    """
     from pydantic import ValidationError
 
     from services.common.errors import BusError, FanrouteError
@@ -33,11 +36,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"fanroute train: invalid settings: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
-    from services.trainer.train import train
+    from services.trainer.train import PublishError, train
 
     try:
         train(settings)
-    except BusError as exc:
+    except (BusError, PublishError) as exc:
         print(f"fanroute train: {exc}", file=sys.stderr)
         return 1
     except FanrouteError as exc:

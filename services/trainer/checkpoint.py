@@ -94,7 +94,8 @@ def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], path: Path) ->
     differ = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if differ:
         detail = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in differ)
-        raise ConfigError(f"cannot resume from {path}: settings changed ({detail})")
+        hint = "; the training episodes differ (resume with the same --as-of or file)" if "data" in differ else ""
+        raise ConfigError(f"cannot resume from {path}: settings changed ({detail}){hint}")
 
 
 def load_checkpoint(path: Path, model: Any, optimizer: Any, scheduler: Any) -> Progress:

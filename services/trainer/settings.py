@@ -86,7 +86,8 @@ class TrainerSettings(ServiceSettings):
                             description="Longest example in tokens; longer ones are cut at the end")
     bucket_window: int = Field(default=16, ge=1, le=100_000,
                                description="Batches sorted by length together (1 = random batches)")
-    lr: float = Field(default=2e-4, gt=0, le=1, description="Peak learning rate (AdamW)")
+    lr: float = Field(default=1e-3, gt=0, le=1, description="Peak learning rate (AdamW); LoRA on one short "
+                                                          "pass needs more than the usual 2e-4")
     weight_decay: float = Field(default=0.0, ge=0, le=1, description="AdamW weight decay")
     warmup_steps: int = Field(default=0, ge=0, le=1_000_000, description="Linear warm-up steps")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(

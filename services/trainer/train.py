@@ -15,13 +15,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from schemas.episode import Episode
-from services.common.errors import BusError, ConfigError
+from services.common.errors import BusError, ConfigError, FanrouteError
 from services.models.prepare import is_prepared, resolve_base
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
@@ -51,6 +51,10 @@ class Publisher(Protocol):
     """Anything that can publish a finished adapter (e.g. services.publisher.client.PublisherClient)."""
 
     def publish(self, model_id: str, adapter_dir: Path, base_model: str, metrics: dict) -> dict: ...
+
+
+class PublishError(FanrouteError, RuntimeError):
+    """Training finished and the adapter is saved, but the publisher refused or failed."""
 
 
 def _print(line: str) -> None:
@@ -107,7 +111,7 @@ class Plan:
             "base_model_dir": str(self.base_dir),
             "source": self.source,
             "data": self.counts,
-            "gates": [g.__dict__ | {"providers": list(g.providers)} for g in self.gates],
+            "gates": [asdict(g) | {"providers": list(g.providers)} for g in self.gates],
             "allow_uncalibrated": self.settings.allow_uncalibrated,
             "uncalibrated_episodes": self.uncalibrated_episodes,
             "one_pass": {"steps_asked": self.settings.max_steps, "steps_per_pass": self.steps_per_pass,
@@ -258,10 +262,10 @@ def build_optimizer(plan: Plan, model: Any) -> tuple[Any, Any]:
 
 
 class MetricsLog:
-    """metrics.jsonl in the run directory (appended on resume) plus a progress line on stdout."""
+    """metrics.jsonl in the run directory: one JSON object per line, appended to on resume."""
 
-    def __init__(self, path: Path, fresh: bool, out: Out) -> None:
-        self.path, self.out = path, out
+    def __init__(self, path: Path, fresh: bool) -> None:
+        self.path = path
         if fresh:
             path.write_text("")
 
@@ -335,8 +339,10 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
         ckpt.check_fingerprint(ckpt.read_progress(latest).fingerprint, json.loads(json.dumps(fingerprint)), latest)
         progress = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
         start, plan.batches = progress.step, progress.batches
+        if start > plan.steps:
+            raise ConfigError(f"{latest} is at step {start}, past max_steps={s.max_steps}")
         out(f"resumed from {latest} at step {start}")
-    metrics = MetricsLog(output_dir / "metrics.jsonl", fresh=latest is None, out=out)
+    metrics = MetricsLog(output_dir / "metrics.jsonl", fresh=latest is None)
     header = plan.record() | {"event": "start", "step": start, "resumed_from": start if latest else None}
     (output_dir / "config.json").write_text(json.dumps(plan.record(), indent=2, sort_keys=True, default=str) + "\n")
     metrics.write(header)
@@ -376,12 +382,20 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
     final |= {"steps": plan.steps, "episodes": len(plan.examples), "allow_uncalibrated": s.allow_uncalibrated,
               "uncalibrated_episodes": plan.uncalibrated_episodes, "one_pass_capped": plan.capped}
     metrics.write({"event": "end", "step": plan.steps, **final})
-    published = None
+    published: dict | None = None
+    failure: Exception | None = None
     if publisher is not None:
-        published = publisher.publish(s.publish_id, adapter_dir, s.base_model, dict(final))
-        out(f"published {s.publish_id}: {published}")
+        try:
+            numeric = {k: float(v) for k, v in final.items() if isinstance(v, (int, float))}  # the wire is str→float
+            published = publisher.publish(s.publish_id, adapter_dir, s.base_model, numeric)
+            out(f"published {s.publish_id}: {published}")
+        except Exception as exc:  # any client error: the run's result stays on disk, the caller is told
+            failure, published = exc, {"error": f"{type(exc).__name__}: {exc}"}
     (output_dir / "summary.json").write_text(json.dumps(
         {"final": final, "adapter_dir": str(adapter_dir), "published": published}, indent=2, sort_keys=True,
         default=str) + "\n")
+    if failure is not None:
+        raise PublishError(f"trained {plan.steps} steps (adapter at {adapter_dir}) but publishing "
+                           f"{s.publish_id} failed: {failure}") from failure
     out(f"done: {plan.steps} steps, adapter at {adapter_dir}")
     return RunResult(True, plan.steps, output_dir, plan, adapter_dir, final, published)
