@@ -7,7 +7,7 @@ import logging
 import signal
 import sys
 
-from services.common.logging import setup_logging
+from services.common.entry import service_main
 from services.episodes.settings import EpisodeSettings
 
 log = logging.getLogger("services.episodes")
@@ -54,16 +54,7 @@ async def run(settings: EpisodeSettings, stop: asyncio.Event | None = None) -> N
 
 
 def main() -> int:
-    from pydantic import ValidationError
-
-    try:
-        settings = EpisodeSettings()
-    except ValidationError as exc:
-        print(f"fanroute episodes: invalid settings: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(settings.log_level)
-    asyncio.run(run(settings))
-    return 0
+    return service_main("episodes", EpisodeSettings, run)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import signal
 import sys
 from urllib.parse import urlsplit
 
-from services.common.logging import setup_logging
+from services.common.entry import service_main
 from services.judge.settings import JudgeSettings
 
 log = logging.getLogger("services.judge")
@@ -80,19 +80,12 @@ async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> Non
 
 
 def main() -> int:
-    from pydantic import ValidationError
-
-    from services.common.errors import ConfigError
-
-    try:
+    def load() -> JudgeSettings:
         settings = JudgeSettings()
         guard(settings)
-    except (ValidationError, ConfigError) as exc:
-        print(f"fanroute judge: refusing to start: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(settings.log_level)
-    asyncio.run(run(settings))
-    return 0
+        return settings
+
+    return service_main("judge", load, run, refusal="refusing to start")
 
 
 if __name__ == "__main__":

@@ -2,38 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
 
-from services.common.logging import setup_logging
+from services.common.entry import serve_app, service_main
 from services.sampler.settings import SamplerSettings
 
 
 async def run(settings: SamplerSettings) -> None:
     """Serve until interrupted (torch and the model load inside the app's lifespan)."""
-    import uvicorn
-
     from services.sampler.app import create_app
 
-    config = uvicorn.Config(create_app(settings), host=settings.host, port=settings.port,
-                            log_level=settings.log_level.lower(), access_log=False, lifespan="on")
-    await uvicorn.Server(config).serve()
+    await serve_app(create_app(settings), settings)
 
 
 def main() -> int:
-    """Parse settings (a bad one is a clear message and exit 2), then serve."""
-    from pydantic import ValidationError
-
-    from services.common.errors import ConfigError
-
-    try:
-        settings = SamplerSettings()
-    except (ValidationError, ConfigError) as exc:
-        print(f"fanroute sampler: invalid settings: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(settings.log_level)
-    asyncio.run(run(settings))
-    return 0
+    return service_main("sampler", SamplerSettings, run)
 
 
 if __name__ == "__main__":
