@@ -3,7 +3,8 @@
 Same base model (SmolLM2-135M-Instruct, prepared from the bundled GGUF), same data (episodes in
 the router's shape built from the collections' development queries), same LoRA (r=8, alpha=16,
 q/k/v/o, no dropout), same batch size, max length and learning rate, loss on the assistant turn
-only on both sides (TRL: prompt-completion data with completion_only_loss). Each side runs in its
+only on both sides (TRL: prompt-completion data with completion_only_loss), fp32 and no gradient
+checkpointing on both sides unless --trl-defaults (TRL's own bf16 + checkpointing). Each side runs in its
 own process so its peak RSS is its own. Throughput = non-pad tokens / time of optimiser steps,
 the first step (warm-up) left out.
 
@@ -25,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 PROVIDERS = ("bio-dense", "bm25-all", "dense-all", "eng-bm25", "lib-bm25")
+#: The one LoRA both sides train (ours would otherwise use its default dropout 0.05).
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
 def make_episodes(n: int, path: Path, seed: int = 0) -> Path:
@@ -60,7 +63,9 @@ def run_ours(args: argparse.Namespace) -> dict:
     settings = TrainerSettings(base_model=args.base, episodes_file=args.episodes, output_dir=out / "run",
                                allow_uncalibrated=True, max_steps=args.steps, batch_size=args.batch,
                                max_tokens=args.max_tokens, lr=2e-4, eval_every=0, eval_fraction=0.0,
-                               checkpoint_every=0, threads=args.threads)
+                               checkpoint_every=0, threads=args.threads,
+                               lora={"r": LORA["r"], "alpha": LORA["lora_alpha"], "dropout": LORA["lora_dropout"],
+                                     "target_modules": tuple(LORA["target_modules"])})
     train(settings, out=lambda line: None)
     recs = [json.loads(x) for x in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "step_time_s" in r][1:]
@@ -102,9 +107,10 @@ def run_trl(args: argparse.Namespace) -> dict:
     cfg = SFTConfig(output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=args.batch,
                     max_steps=args.steps, max_length=args.max_tokens, learning_rate=2e-4, logging_steps=1000,
                     report_to=[], completion_only_loss=True, packing=False, use_cpu=True, save_strategy="no",
-                    lr_scheduler_type="linear", dataloader_num_workers=0, seed=0)
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+                    lr_scheduler_type="linear", dataloader_num_workers=0, seed=0,
+                    # same numerics as ours unless asked for TRL's own defaults (bf16 + checkpointing)
+                    **({} if args.trl_defaults else {"bf16": False, "gradient_checkpointing": False}))
+    lora = LoraConfig(**LORA, task_type="CAUSAL_LM")
     trainer = Timed(model=model, args=cfg, train_dataset=Dataset.from_list(rows), processing_class=tok,
                     peft_config=lora, callbacks=[Clock()])
     trainer.train()
@@ -126,6 +132,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
     p.add_argument("--episodes", type=Path, default=None)
+    p.add_argument("--trl-defaults", action="store_true",
+                   help="leave TRL's SFTConfig defaults (bf16, gradient checkpointing) instead of fp32 like ours")
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sft_throughput.json")
     args = p.parse_args()
@@ -140,7 +148,7 @@ def main() -> None:
         print(f"running {side} ...", flush=True)
         cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--batch", str(args.batch),
                "--max-tokens", str(args.max_tokens), "--threads", str(args.threads), "--base", args.base,
-               "--episodes", str(args.episodes)]
+               "--episodes", str(args.episodes)] + (["--trl-defaults"] if args.trl_defaults else [])
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
         if line is None:
@@ -155,8 +163,10 @@ def main() -> None:
         print(f"{side:<8}{r['tokens_per_s']:>10.0f}{r['peak_rss_mb']:>13.0f}{r['steps']:>13}")
     print(f"ratio ours/TRL tokens/s: {ratio:.2f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"results": results, "ratio": ratio, "steps": args.steps, "batch": args.batch,
-                                    "max_tokens": args.max_tokens, "threads": args.threads}, indent=2) + "\n")
+    out_path = args.out.with_name(args.out.stem + "_trl_defaults.json") if args.trl_defaults else args.out
+    out_path.write_text(json.dumps({"results": results, "ratio": ratio, "steps": args.steps, "batch": args.batch,
+                                    "max_tokens": args.max_tokens, "threads": args.threads,
+                                    "trl_defaults": args.trl_defaults}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from services.common.errors import BusError, ConfigError, FanrouteError
 from services.models.prepare import is_prepared, resolve_base
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
+    IGNORE,
     Example,
     GateCheck,
     GateLookup,
@@ -274,18 +275,48 @@ class MetricsLog:
             fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
+def _plain_head(base: Any) -> bool:
+    """Whether the model's logits are just ``lm_head(hidden)`` (no soft-capping or scaling after it)."""
+    cfg = base.config
+    return not (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
+                or getattr(cfg, "logits_scaling", None) or getattr(cfg, "output_multiplier_scale", None))
+
+
+def _target_loss(model: Any, batch: Any) -> Any:
+    """Mean next-token cross-entropy over the labelled (assistant) positions.
+
+    The same number as ``model(..., labels=...).loss``, but the vocabulary projection runs only on
+    the positions that have a target: on a short answer after a long prompt that skips most of the
+    ``B×T×V`` float32 logits (and their log-softmax and gradient), the largest single tensor of a step.
+    Models whose logits are more than ``lm_head(hidden)`` go through the model's own loss.
+    """
+    import torch.nn.functional as F
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not _plain_head(base):
+        return model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                     labels=batch.labels_BT, use_cache=False).loss
+    hidden_BTD = base.get_decoder()(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
+                                    use_cache=False).last_hidden_state
+    targets_BT = batch.labels_BT[:, 1:]  # position t predicts token t+1
+    keep_BT = targets_BT != IGNORE
+    logits_NV = base.get_output_embeddings()(hidden_BTD[:, :-1][keep_BT]).float()
+    return F.cross_entropy(logits_NV, targets_BT[keep_BT])
+
+
 def _train_step(model: Any, optimizer: Any, scheduler: Any, examples: list[Example], pad_id: int,
-                max_grad_norm: float) -> dict[str, float]:
+                max_grad_norm: float, trainable: list[Any] | None = None) -> dict[str, float]:
     """One optimiser step on one batch; the step's metrics."""
     import torch
 
     batch = collate(examples, pad_id)
     t0 = time.perf_counter()
     lr = scheduler.get_last_lr()[0]
-    loss = model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                 labels=batch.labels_BT, use_cache=False).loss
+    loss = _target_loss(model, batch)
     loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    if trainable is None:
+        trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
