@@ -40,4 +40,7 @@ class Episode(Message):
     created_at: datetime
     messages: tuple[ChatMessage, ...] = Field(min_length=2)
     rewards: tuple[RewardComponent, ...] = ()
+    primary_reward: str | None = Field(
+        default=None, description="Name of the reward component whose verdict wrote the assistant turn "
+                                  "(its judge's gate is the one that matters for training)")
     token_ids: tuple[int, ...] | None = Field(default=None, description="Exact tokens, when sampled")

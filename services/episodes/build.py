@@ -53,4 +53,4 @@ def build_episode(trace: Trace, verdict: Verdict, components: Iterable[RewardCom
         messages=(ChatMessage(role="system", content=system_prompt(c.provider for c in trace.candidates)),
                   ChatMessage(role="user", content=trace.query),
                   ChatMessage(role="assistant", content=format_ordering(verdict.ordering))),
-        rewards=tuple(sorted(rewards.values(), key=lambda c: c.name)))
+        rewards=tuple(sorted(rewards.values(), key=lambda c: c.name)), primary_reward=own.name)

@@ -61,7 +61,10 @@ def providers_of(ep: Episode) -> tuple[str, ...]:
 
 
 def reward_of(ep: Episode, name: str | None) -> RewardComponent | None:
-    """The named reward component, or (name None) the episode's first ndcg component."""
+    """The named reward component, or (name None) the episode's primary one (the verdict that wrote
+    its assistant turn), falling back to the first ndcg component for episodes that do not say."""
+    if name is None and ep.primary_reward is not None:
+        name = ep.primary_reward
     for c in ep.rewards:
         if (c.name == name) if name is not None else c.name.startswith(REWARD_PREFIX):
             return c

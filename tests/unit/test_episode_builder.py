@@ -75,6 +75,8 @@ async def test_replays_produce_nothing_new_and_a_new_rubric_adds_a_component(bui
     assert rewards["ndcg:judge-a:rubric-1"] == 1.0
     assert 0 < rewards["ndcg:judge-a:rubric-2"] < 1.0  # scored against the new grades, beside the old
     assert {c.component_id for c in first.rewards} < {c.component_id for c in second.rewards}
+    # the primary reward stays the first verdict's, whatever the names sort like
+    assert first.primary_reward == second.primary_reward == "ndcg:judge-a:rubric-1"
 
 
 async def test_failed_verdicts_are_skipped(builder):

@@ -398,3 +398,19 @@ def test_trainer_publishes_through_the_real_publisher_client(make_settings, tmp_
     assert result.published["model_id"] == "router-tiny" and result.published["version"] == 1
     manifest = h.client.manifest("router-tiny", 1)
     assert manifest["base_model"] == s.base_model and manifest["metrics"]["steps"] == 2.0
+
+
+def test_default_reward_is_the_primary_one_not_the_first_by_name():
+    from services.trainer.data import episode_judge, reward_of
+    from tests.episode_fakes import verdict_for
+    from tests.judge_fakes import judged_trace
+    from services.episodes.build import build_episode, ndcg_component
+
+    t = judged_trace("p1")
+    first = verdict_for("p1", model="zeta-judge")
+    later = verdict_for("p1", model="alpha-judge", rubric="rubric-2")
+    ep = build_episode(t, first)
+    ep = build_episode(t, first, list(ep.rewards) + [ndcg_component(ep.episode_id, later, first.ordering)])
+    assert [c.name for c in ep.rewards][0].startswith("ndcg:alpha-judge")  # sorts first...
+    assert reward_of(ep, None).name == "ndcg:zeta-judge:rubric-1"  # ...but the primary one is chosen
+    assert episode_judge(ep, None).judge_model == "zeta-judge"
