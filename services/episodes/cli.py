@@ -8,20 +8,13 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-
-def _instant(text: str) -> datetime:
-    """An ISO-8601 instant; a naive one is read as UTC."""
-    try:
-        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an ISO-8601 time: {text!r} (e.g. 2026-09-01T00:00:00Z)")
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
+from services.common.files import instant
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     sub.add_parser("episodes", help="run the episode builder (same as python -m services.episodes)")
     d = sub.add_parser("dataset", help="the episode dataset as of a time, from the episodes topic")
-    d.add_argument("--as-of", type=_instant, default=None, help="ISO time (default: now)")
+    d.add_argument("--as-of", type=instant, default=None, help="ISO time (default: now)")
     d.add_argument("--out", type=Path, required=True, help="JSONL to write (canonical, sorted by id)")
     d.add_argument("--atif-dir", type=Path, default=None, help="also write one ATIF trajectory per episode")
     t = sub.add_parser("tasks", help="replay tasks (Harbor format)")

@@ -11,13 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from services.common.files import atomic_dir
 from services.common.errors import ConfigError
 
 DEFAULT_BASE = "SmolLM2-135M-Instruct"
@@ -77,16 +76,9 @@ def prepare_base(cache_dir: Path | None = None, *, force: bool = False,
     plain.generation_config = loaded.generation_config
     progress(f"{DEFAULT_BASE}: loaded in {time.monotonic() - t0:.1f}s; writing safetensors")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_dir(target) as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     progress(f"{DEFAULT_BASE}: prepared at {target} in {time.monotonic() - t0:.1f}s")
     return target
 

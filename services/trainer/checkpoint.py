@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.files import atomic_dir
 from services.common.errors import ConfigError
 
 CHECKPOINTS = "checkpoints"
@@ -65,19 +65,12 @@ def save_checkpoint(output_dir: Path, model: Any, optimizer: Any, scheduler: Any
     root = Path(output_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{progress.step}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
-    try:
+    with atomic_dir(final) as tmp:
         model.save_pretrained(tmp / "adapter")
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": rng_state()},
                    tmp / "state.pt")
         (tmp / "progress.json").write_text(json.dumps(
             {"step": progress.step, "batches": progress.batches, "fingerprint": progress.fingerprint}) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for old in checkpoint_dirs(output_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import types
 import typing
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from services.common.files import instant
 from services.common.settings import ServiceSettings
 from services.models.prepare import DEFAULT_BASE
 
@@ -137,15 +138,6 @@ RESUMABLE_CHANGES = {"max_steps", "resume", "dry_run", "eval_every", "eval_max_e
 
 _PREFIX = "cfg."
 _ENV_ONLY = {"kafka", "redis"}
-
-
-def instant(text: str) -> datetime:
-    """An ISO-8601 instant; a naive one is read as UTC."""
-    try:
-        t = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an ISO-8601 time: {text!r} (e.g. 2026-09-01T00:00:00Z)")
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 def _csv(text: str) -> tuple[str, ...]:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -21,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from schemas.episode import Episode
+from services.common.files import atomic_dir
 from services.common.errors import BusError, ConfigError, FanrouteError
 from services.models.prepare import is_prepared, resolve_base
 from services.trainer import checkpoint as ckpt
@@ -328,11 +327,8 @@ def _train_step(model: Any, optimizer: Any, scheduler: Any, examples: list[Examp
 
 def _save_adapter(model: Any, target: Path) -> Path:
     """The final adapter, written next to ``target`` and renamed into place."""
-    tmp = Path(tempfile.mkdtemp(prefix=".adapter.", dir=target.parent))
-    model.save_pretrained(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    tmp.rename(target)
+    with atomic_dir(target) as tmp:
+        model.save_pretrained(tmp)
     return target
 
 

@@ -99,3 +99,14 @@ async def test_replay_against_a_running_gateway():
     assert (summary.requests, summary.ok, summary.errors, summary.traces_unpublished) == (6, 6, {}, 0)
     assert summary.contested == 6  # disjoint citations: overlap 0
     assert sorted(c for p in gw.providers for c in p.calls) == sorted(2 * [q.text for q in queries])
+
+
+def test_dataset_as_of_garbage_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["dataset", "--out", "x.jsonl", "--as-of", "last tuesday"])
+    assert info.value.code == 2 and "not an ISO-8601 time: 'last tuesday'" in capsys.readouterr().err
+
+
+def test_tasks_verify_on_a_directory_that_is_not_a_task(tmp_path, capsys):
+    assert main(["tasks", "verify", str(tmp_path), "--answer", "a > b"]) == 2
+    assert "has no tests/test.sh" in capsys.readouterr().err
