@@ -9,12 +9,12 @@ from schemas.base import Message, decode
 from schemas.dead_letter import DeadLetter
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.task import Task
-from schemas.trace import Candidate, Citation, Signals, Trace
+from schemas.trace import Candidate, Citation, Route, Signals, Trace
 from schemas.verdict import CandidateGrade, Verdict
 from schemas.topics import TOPICS, TopicSpec, topic
 
 __all__ = [
     "AdapterPublished", "Candidate", "CandidateGrade", "ChatMessage", "Citation", "DeadLetter",
-    "Episode", "Message", "RewardComponent", "Signals", "Task", "TOPICS", "TopicSpec", "Trace",
+    "Episode", "Message", "RewardComponent", "Route", "Signals", "Task", "TOPICS", "TopicSpec", "Trace",
     "Verdict", "decode", "topic",
 ]

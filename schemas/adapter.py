@@ -1,6 +1,6 @@
 """Topic ``adapters``: a LoRA adapter version was published (or promoted).
 
-Producer: publisher. Consumers: gateway, sampler, rollout runner. Filled in by the trainer issue.
+Producer: publisher. Consumers: gateway (follows the promoted version), sampler (loads new versions).
 """
 
 from __future__ import annotations
@@ -25,3 +25,6 @@ class AdapterPublished(Message):
     published_at: datetime
     promoted: bool = False
     metrics: dict[str, float] = Field(default_factory=dict)
+    fallback_provider: str | None = Field(
+        default=None, description="On a promotion: the best single provider measured beside it; routed "
+                                  "gateways answer with it when the router cannot")

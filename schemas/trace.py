@@ -57,6 +57,23 @@ class Signals(Message):
     providers_failed: int = Field(ge=0)
 
 
+RouteFallback = Literal["no_adapter", "router_timeout", "router_error", "unparseable"]
+
+
+class Route(Message):
+    """How a routed request was answered: the router's ordering and the providers actually called."""
+
+    schema_version: Literal[1] = 1
+    router: str | None = Field(default=None, description="Served adapter name (``router@3``); None without one")
+    ordering: tuple[str, ...] = Field(default=(), description="The router's ordering, best first (empty on fallback)")
+    called: tuple[str, ...] = Field(min_length=1, description="Providers called, in order (failover adds the next)")
+    fallback: RouteFallback | None = Field(default=None,
+                                           description="Why the best single provider answered instead of the router")
+    fallback_provider: str | None = Field(default=None, description="The best single provider used on fallback")
+    router_ms: float = Field(default=0.0, ge=0, description="Time spent asking the router")
+    raw: str = Field(default="", max_length=4096, description="The router's reply text, as received")
+
+
 class Trace(Message):
     """A request, every candidate, and the signals computed while answering it."""
 
@@ -67,13 +84,19 @@ class Trace(Message):
     query_id: str | None = Field(default=None, description="Caller's id (e.g. '<collection>/<qid>')")
     mode: Literal["fanout", "routed"]
     router_version: str | None = Field(default=None, description="Adapter version, when routed")
+    route: Route | None = Field(default=None, description="Routing decision, when routed")
     candidates: tuple[Candidate, ...]
     signals: Signals
 
     @model_validator(mode="after")
     def _routed_has_version(self) -> Trace:
-        if self.mode == "routed" and not self.router_version:
-            raise ValueError("a routed trace must name its router_version")
+        if self.mode == "routed":
+            if self.route is None:
+                raise ValueError("a routed trace must carry its route")
+            if self.route.fallback != "no_adapter" and not self.router_version:
+                raise ValueError("a routed trace must name its router_version (unless no adapter was promoted)")
+        elif self.route is not None:
+            raise ValueError("only a routed trace carries a route")
         names = [c.provider for c in self.candidates]
         if len(names) != len(set(names)):
             raise ValueError("candidates must have distinct provider names")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from schemas.calibration import CalibrationRecord, ProviderAgreement, Review
+from schemas.trace import Route
 from schemas import (AdapterPublished, Candidate, CandidateGrade, ChatMessage, Citation, Episode,
                      RewardComponent, Signals, Task, Trace, Verdict)
 
@@ -35,6 +36,7 @@ def all_examples() -> list:
     return [
         citation(), candidate(), signals(), trace(),
         Trace(trace_id="t2", received_at=NOW, query="q", mode="routed", router_version="router@3",
+              route=Route(router="router@3", ordering=("a", "b"), called=("a",), router_ms=12.5),
               candidates=(Candidate(provider="a", latency_ms=3, cost_usd=0, error="boom",
                                     error_kind="timeout"),), signals=signals()),
         Verdict(verdict_id="v1", trace_id="t1", judged_at=NOW, judge_kind="local", judge_model="m",

@@ -55,6 +55,10 @@ class PromoteRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     version: int = Field(ge=1, description="An existing version")
+    fallback_provider: str | None = Field(default=None, min_length=1, max_length=128,
+                                          description="Best single provider measured beside it (routed fallback)")
+    evidence: dict[str, Any] | None = Field(default=None, description="Why: the evaluation behind the "
+                                                                       "decision, stored beside the manifest")
 
 
 class ServingReport(BaseModel):
@@ -148,13 +152,19 @@ class Publisher:
             raise Unavailable(f"{message.model_id} v{message.version} is stored but not announced "
                               f"({exc}); retry the same request") from exc
 
-    async def promote(self, model_id: str, version: int) -> AdapterPublished:
-        """Announce ``version`` with promoted=True, then remember it as the promoted one."""
+    async def promote(self, model_id: str, version: int, *, fallback_provider: str | None = None,
+                      evidence: dict[str, Any] | None = None) -> AdapterPublished:
+        """Store the evidence, announce ``version`` with promoted=True, then remember it (disk and Redis)."""
         async with self._lock:
             manifest = self.manifests.get(model_id, version)
-            message = manifest.message(self.manifest_url(model_id, version), promoted=True)
+            self.manifests.save_promotion(model_id, version, {
+                "model_id": model_id, "version": version, "promoted_at": datetime.now(UTC).isoformat(),
+                "fallback_provider": fallback_provider, "evidence": evidence})
+            message = manifest.message(self.manifest_url(model_id, version), promoted=True,
+                                       fallback_provider=fallback_provider)
             await self._send(message)
             self.manifests.set_promoted(model_id, version)
+            await self.stamps.set_promoted(model_id, version, fallback_provider)
             self.metrics.promotions.inc()
         log.info("promoted %s v%d", model_id, version)
         return message
@@ -283,7 +293,16 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
     @app.post("/v1/adapters/{model_id}/promote", response_model=AdapterPublished)
     async def promote(req: PromoteRequest, model_id: str = ModelId) -> Any:
         """Make ``version`` the promoted one and announce it (promoted=True)."""
-        return await pub.promote(model_id, req.version)
+        return await pub.promote(model_id, req.version, fallback_provider=req.fallback_provider,
+                                 evidence=req.evidence)
+
+    @app.get("/v1/adapters/{model_id}/promoted")
+    async def promoted(model_id: str = ModelId) -> dict[str, Any]:
+        """The promoted version with its fallback provider and the evidence it was promoted on (404: none)."""
+        version = pub.manifests.promoted(model_id)
+        if version is None:
+            raise NotFound(f"{model_id} has no promoted version")
+        return pub.manifests.promotion(model_id, version) or {"model_id": model_id, "version": version}
 
     @app.get("/v1/adapters/{model_id}/serving")
     async def serving(model_id: str = ModelId) -> dict[str, int]:

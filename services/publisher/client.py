@@ -58,9 +58,20 @@ class PublisherClient:
         body = {"base_model": base_model, "files": files, "metrics": metrics, "run_id": run_id}
         return self._call("POST", f"/v1/adapters/{model_id}/versions", json=body).json()
 
-    def promote(self, model_id: str, version: int) -> dict[str, Any]:
-        """Promote ``version``; returns the AdapterPublished message (promoted=True)."""
-        return self._call("POST", f"/v1/adapters/{model_id}/promote", json={"version": version}).json()
+    def promote(self, model_id: str, version: int, *, fallback_provider: str | None = None,
+                evidence: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Promote ``version`` (evidence stored beside it); returns the AdapterPublished message."""
+        body = {"version": version, "fallback_provider": fallback_provider, "evidence": evidence}
+        return self._call("POST", f"/v1/adapters/{model_id}/promote", json=body).json()
+
+    def promoted(self, model_id: str) -> dict[str, Any] | None:
+        """The promotion record (version, fallback_provider, evidence), or None before any promotion."""
+        try:
+            return self._call("GET", f"/v1/adapters/{model_id}/promoted").json()
+        except PublisherClientError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     def stamp(self, model_id: str) -> int:
         """The current version stamp of ``model_id`` (0 before the first publish)."""

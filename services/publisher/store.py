@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -210,11 +211,11 @@ class Manifest(BaseModel):
     published_at: datetime
     announced: bool = Field(default=False, description="The AdapterPublished message was acked")
 
-    def message(self, url: str, *, promoted: bool = False) -> AdapterPublished:
+    def message(self, url: str, *, promoted: bool = False, fallback_provider: str | None = None) -> AdapterPublished:
         """The ``adapters`` topic message announcing this version (``url`` = its manifest URL)."""
         return AdapterPublished(model_id=self.model_id, version=self.version, base_model=self.base_model,
                                 url=url, files_sha256=self.files_sha256, published_at=self.published_at,
-                                promoted=promoted, metrics=self.metrics)
+                                promoted=promoted, metrics=self.metrics, fallback_provider=fallback_provider)
 
 
 def content_key(model_id: str, base_model: str, files: dict[str, str]) -> str:
@@ -247,7 +248,7 @@ class ManifestStore:
 
     def versions(self, model_id: str) -> list[int]:
         """Stored versions of ``model_id``, oldest first."""
-        return sorted(int(p.stem[1:]) for p in self._dir(model_id).glob("v*.json"))
+        return sorted(int(p.stem[1:]) for p in self._dir(model_id).glob("v*.json") if "." not in p.stem)
 
     def all(self, model_id: str) -> list[Manifest]:
         return [self.get(model_id, v) for v in self.versions(model_id)]
@@ -261,6 +262,20 @@ class ManifestStore:
 
     def delete(self, model_id: str, version: int) -> None:
         self._path(model_id, version).unlink(missing_ok=True)
+        self._promotion_path(model_id, version).unlink(missing_ok=True)
+
+    def _promotion_path(self, model_id: str, version: int) -> Path:
+        return self._dir(model_id) / f"v{version:08d}.promotion.json"
+
+    def save_promotion(self, model_id: str, version: int, record: dict) -> None:
+        """The promotion decision and its evidence, beside the version's manifest."""
+        _write_atomic(self._promotion_path(model_id, version), json.dumps(record, indent=1, sort_keys=True).encode())
+
+    def promotion(self, model_id: str, version: int) -> dict | None:
+        try:
+            return json.loads(self._promotion_path(model_id, version).read_bytes())
+        except FileNotFoundError:
+            return None
 
     def promoted(self, model_id: str) -> int | None:
         """The promoted version of ``model_id``, if one was promoted."""
@@ -292,6 +307,11 @@ def stamp_key(namespace: str, model_id: str) -> str:
     return f"fanroute:{namespace}adapter:stamp:{model_id}"
 
 
+def promoted_key(namespace: str, model_id: str) -> str:
+    """Redis key of the promoted version: JSON ``{"version": v, "fallback_provider": p}``."""
+    return f"fanroute:{namespace}adapter:promoted:{model_id}"
+
+
 def _serving_prefix(namespace: str, model_id: str) -> str:
     return f"fanroute:{namespace}adapter:serving:{model_id}"
 
@@ -306,6 +326,14 @@ class StampStore(abc.ABC):
     @abc.abstractmethod
     async def get(self, model_id: str) -> int:
         """The current stamp (0 before the first publish)."""
+
+    @abc.abstractmethod
+    async def set_promoted(self, model_id: str, version: int, fallback_provider: str | None) -> None:
+        """Record the promoted version (what routed gateways poll)."""
+
+    @abc.abstractmethod
+    async def promoted(self, model_id: str) -> tuple[int, str | None] | None:
+        """(version, fallback provider) of the promoted version, or None."""
 
     @abc.abstractmethod
     async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
@@ -326,6 +354,7 @@ class MemoryStampStore(StampStore):
         self.clock = clock
         self.stamps: dict[str, int] = {}
         self.reports: dict[str, dict[str, tuple[int, float]]] = {}
+        self.promotions: dict[str, tuple[int, str | None]] = {}
 
     async def incr(self, model_id: str) -> int:
         self.stamps[model_id] = self.stamps.get(model_id, 0) + 1
@@ -333,6 +362,12 @@ class MemoryStampStore(StampStore):
 
     async def get(self, model_id: str) -> int:
         return self.stamps.get(model_id, 0)
+
+    async def set_promoted(self, model_id: str, version: int, fallback_provider: str | None) -> None:
+        self.promotions[model_id] = (version, fallback_provider)
+
+    async def promoted(self, model_id: str) -> tuple[int, str | None] | None:
+        return self.promotions.get(model_id)
 
     async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
         self.reports.setdefault(model_id, {})[sampler_id] = (version, self.clock() + ttl_s)
@@ -357,6 +392,13 @@ class RedisStampStore(StampStore):
     async def get(self, model_id: str) -> int:
         return int(await self.client.get(stamp_key(self.namespace, model_id)) or 0)
 
+    async def set_promoted(self, model_id: str, version: int, fallback_provider: str | None) -> None:
+        value = json.dumps({"version": version, "fallback_provider": fallback_provider})
+        await self.client.set(promoted_key(self.namespace, model_id), value)
+
+    async def promoted(self, model_id: str) -> tuple[int, str | None] | None:
+        return parse_promoted(await self.client.get(promoted_key(self.namespace, model_id)))
+
     async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
         prefix = _serving_prefix(self.namespace, model_id)
         async with self.client.pipeline(transaction=True) as pipe:
@@ -377,6 +419,14 @@ class RedisStampStore(StampStore):
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def parse_promoted(raw: bytes | str | None) -> tuple[int, str | None] | None:
+    """The promoted key's value as (version, fallback provider); None when unset."""
+    if raw is None:
+        return None
+    data = json.loads(raw)
+    return int(data["version"]), data.get("fallback_provider")
 
 
 def stamp_store(url: str, namespace: str) -> StampStore:

@@ -19,7 +19,7 @@ from services.common.settings import KafkaSettings, RedisSettings
 from services.publisher.app import create_app
 from services.publisher.client import PublisherClient
 from services.publisher.settings import PublisherSettings
-from services.publisher.store import stamp_key
+from services.publisher.store import parse_promoted, promoted_key, stamp_key
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 
@@ -64,7 +64,8 @@ async def test_versions_reach_the_topic_and_move_the_redis_stamp(kafka_bootstrap
             v2 = await call(client.publish, "router", second, "smollm2-135m", {"ndcg": 0.6})
             stamps.append(int(await r.get(stamp_key(ns, "router"))))
             again = await call(client.publish, "router", second, "smollm2-135m", {})  # same content
-            promoted = await call(client.promote, "router", 2)
+            promoted = await call(client.promote, "router", 2, fallback_provider="bm25-all")
+            promoted_record = await r.get(promoted_key(ns, "router"))
             await call(client.report_serving, "sampler-0", "router", 2)
             pulled = await call(client.fetch_url, v2["url"], tmp_path / "pulled",
                                 expect_sha256=v2["files_sha256"])
@@ -77,6 +78,7 @@ async def test_versions_reach_the_topic_and_move_the_redis_stamp(kafka_bootstrap
         await r.aclose()
 
     assert stamps == [0, 1, 2] and final_stamp == 2
+    assert parse_promoted(promoted_record) == (2, "bm25-all")
     assert (v1["version"], v2["version"], again["version"]) == (1, 2, 2)
     assert promoted["promoted"] is True and promoted["version"] == 2
     messages = [decode(AdapterPublished, rec.value) for rec in records]

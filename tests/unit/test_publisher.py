@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -250,6 +251,25 @@ def test_promote_and_serving_need_an_existing_version(harness):
     _refused(r, 404, "not_found")
     _refused(harness.http.post("/v1/serving", json={"sampler_id": "s", "model_id": "router"}),
              422, "invalid_request", "version")
+
+
+def test_promotion_stores_evidence_fallback_and_redis_record(harness):
+    c = harness.client
+    assert c.promoted("router") is None
+    c.publish("router", harness.adapter_dir("1"), "base", {})
+    c.publish("router", harness.adapter_dir("2"), "base", {})
+    evidence = {"candidate": {"human": 0.6, "judge": 2.1}, "best_single": {"human": 0.5, "judge": 1.9}}
+    msg = c.promote("router", 2, fallback_provider="bm25-all", evidence=evidence)
+    assert msg["promoted"] is True and msg["fallback_provider"] == "bm25-all"
+    record = c.promoted("router")
+    assert (record["version"], record["fallback_provider"], record["evidence"]) == (2, "bm25-all", evidence)
+    assert harness.messages[-1].fallback_provider == "bm25-all"
+    assert asyncio.run(harness.stamps.promoted("router")) == (2, "bm25-all")
+    c.promote("router", 1)  # a rollback is a promotion of an older version
+    assert c.promoted("router")["version"] == 1 and asyncio.run(harness.stamps.promoted("router")) == (1, None)
+    assert [v["version"] for v in c.versions("router")] == [1, 2], "the promotion file is not a version"
+    _refused(harness.http.post("/v1/adapters/router/promote", json={"version": 1, "evidence": "x"}),
+             422, "invalid_request", "evidence")
 
 
 def test_retention_victims():

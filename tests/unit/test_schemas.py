@@ -61,8 +61,16 @@ def test_messages_are_frozen_and_strict():
 
 def test_routed_trace_needs_router_version_and_distinct_providers():
     data = json.loads(trace().to_bytes())
-    with pytest.raises(SchemaError, match="router_version"):
+    with pytest.raises(SchemaError, match="route"):
         decode(Trace, json.dumps({**data, "mode": "routed"}))
+    route = {"router": "router@3", "ordering": ["a", "b"], "called": ["a"]}
+    with pytest.raises(SchemaError, match="router_version"):
+        decode(Trace, json.dumps({**data, "mode": "routed", "route": route}))
+    assert decode(Trace, json.dumps({**data, "mode": "routed", "router_version": "router@3", "route": route})).route
+    no_adapter = {"called": ["a"], "fallback": "no_adapter", "fallback_provider": "a"}
+    assert decode(Trace, json.dumps({**data, "mode": "routed", "route": no_adapter})).router_version is None
+    with pytest.raises(SchemaError, match="only a routed trace"):
+        decode(Trace, json.dumps({**data, "route": route}))
     data["candidates"][1]["provider"] = data["candidates"][0]["provider"]
     with pytest.raises(SchemaError, match="distinct provider"):
         decode(Trace, json.dumps(data))

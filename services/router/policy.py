@@ -1,0 +1,29 @@
+"""Which requests keep fanning out, and the order providers are tried in when routing."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+
+def in_fanout_slice(key: str, fraction: float) -> bool:
+    """True for the deterministic ``fraction`` of keys (request or query ids) that keep fanning out.
+
+    A hash, not a random draw: a retried request lands on the same side, and the slice is the same
+    set of queries on every gateway replica.
+    """
+    if fraction <= 0.0:
+        return False
+    if fraction >= 1.0:
+        return True
+    bucket = int.from_bytes(hashlib.sha256(b"fanroute-slice:" + key.encode()).digest()[:8], "big")
+    return bucket < fraction * 2**64
+
+
+def call_order(ordering: Sequence[str], providers: Sequence[str], fallback: str | None = None) -> list[str]:
+    """Providers in the order to try them: the router's ordering, then ``fallback``, then the rest as configured."""
+    known = set(providers)
+    head = [p for p in ordering if p in known]
+    if fallback in known:
+        head.append(fallback)
+    return list(dict.fromkeys([*head, *providers]))
