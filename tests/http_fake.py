@@ -1,7 +1,8 @@
-"""Real HTTP servers on loopback for tests: a uvicorn thread, and one that answers from a script.
+"""Real HTTP servers on loopback for tests: a uvicorn thread, one that answers from a script, and a
+uvicorn task in the test's own event loop (for services that share the loop with the test).
 
-The listening socket is bound before the thread starts, so connections simply queue until
-uvicorn accepts them: no start-up wait, no sleep.
+The listening socket is bound before uvicorn starts, so connections simply queue until uvicorn
+accepts them (after the app's lifespan start-up): no start-up wait, no sleep.
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 
+def loopback_socket() -> socket.socket:
+    """A listening TCP socket on 127.0.0.1:<free port> (``getsockname()[1]`` is the port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    return sock
+
+
 class LoopbackServer:
     """A Starlette app served by uvicorn in a background thread on 127.0.0.1:<free port>."""
 
     def __init__(self, app: Starlette, name: str = "fake-http") -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", 0))
-        self._sock.listen(64)
+        self._sock = loopback_socket()
         self.port: int = self._sock.getsockname()[1]
         config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
         self._server = uvicorn.Server(config)
@@ -52,6 +59,34 @@ class LoopbackServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class InLoopServer:
+    """An ASGI app served by uvicorn as a task of the running loop, on a socket bound beforehand;
+    ``async with`` it, or :meth:`stop` it early (then connections to it are refused)."""
+
+    def __init__(self, app: Any, sock: socket.socket | None = None) -> None:
+        self.sock = sock or loopback_socket()
+        self.port: int = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> InLoopServer:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]), name=f"serve:{self.port}")
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            task, self._task = self._task, None
+            try:
+                await task
+            finally:
+                self.sock.close()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
 
 
 @dataclass
@@ -119,3 +154,11 @@ class ScriptedServer(LoopbackServer):
             await asyncio.sleep(reply.delay_s)
         return Response(reply.encode(), status_code=reply.status, headers=reply.headers,
                         media_type=reply.content_type)
+
+
+def chat_completion(content: str | None, model: str = "router@1") -> Reply:
+    """An OpenAI chat-completions answer whose first choice says ``content`` (the CPU sampler's and vLLM's shape)."""
+    return Reply(200, {"id": "chatcmpl-1", "object": "chat.completion", "created": 1741570283, "model": model,
+                       "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
+                                    "message": {"role": "assistant", "content": content}}],
+                       "usage": {"prompt_tokens": 120, "completion_tokens": 9, "total_tokens": 129}})

@@ -4,7 +4,8 @@
 Idempotent: each (episode, verdict) pair is produced once — a Redis key marks it after publishing,
 and at start the builder re-reads the ``episodes`` topic and marks every pair already there. Tasks
 are at least once: a crash between a task and its episode repeats the task record, with the same
-content-derived ``task_id``. A
+content-derived ``task_id``. Routed traces never become episodes: only the provider the router
+picked answered, so a verdict on them is a biased label (they are counted and acknowledged). A
 second verdict for a trace (new judge or rubric) re-publishes the episode with its reward
 component added beside the others; the first verdict's ordering stays the assistant turn.
 """
@@ -50,6 +51,9 @@ class BuilderMetrics:
                                registry=self.registry)
         self.no_task = Counter("fanroute_tasks_not_built", "Judged traces no replay could score",
                                registry=self.registry)
+        self.routed = Counter("fanroute_episodes_routed_skipped",
+                              "Routed traces and their verdicts not turned into episodes (biased labels)",
+                              ["record"], registry=self.registry)
 
 
 class EpisodeBuilder:
@@ -64,10 +68,16 @@ class EpisodeBuilder:
 
     async def on_trace(self, trace: Trace) -> None:
         async with self._lock:
+            # Kept even when routed (it expires like any unjudged trace): a later verdict must find
+            # it to be recognised as a routed trace's, instead of waiting for it forever.
             await self.state.put_trace(trace)
             waiting = await self.state.pending(trace.trace_id)
-            for verdict in waiting:
-                await self._emit(trace, verdict)
+            if trace.mode == "routed":
+                for record in ("trace", *("verdict" for _ in waiting)):
+                    self._skip_routed(trace, record)
+            else:
+                for verdict in waiting:
+                    await self._emit(trace, verdict)
             await self.state.drop_pending(trace.trace_id, [v.verdict_id for v in waiting])
 
     async def on_verdict(self, verdict: Verdict) -> None:
@@ -80,7 +90,15 @@ class EpisodeBuilder:
                 self.metrics.waiting.inc()
                 await self.state.add_pending(verdict)
                 return
+            if trace.mode == "routed":
+                self._skip_routed(trace, "verdict")
+                return
             await self._emit(trace, verdict)
+
+    def _skip_routed(self, trace: Trace, record: str) -> None:
+        self.metrics.routed.labels(record).inc()
+        log.debug("%s of routed trace %s: no episode (only %s answered)", record, trace.trace_id,
+                  ", ".join(c.provider for c in trace.candidates))
 
     async def _emit(self, trace: Trace, verdict: Verdict) -> None:
         ep_id = episode_id(trace.trace_id)

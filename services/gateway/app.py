@@ -1,4 +1,5 @@
-"""The fan-out gateway: ``POST /v1/search`` → every provider → a Trace on the ``traces`` topic."""
+"""The gateway: ``POST /v1/search`` → every provider (fan-out) or the router's pick (routed mode) → a
+Trace on the ``traces`` topic."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.base import content_id
 from schemas.topics import topic
-from schemas.trace import Candidate, Signals, Trace
+from schemas.trace import Candidate, Route, Signals, Trace
 from services.common.bus import Bus
 from services.common.errors import BusError
 from services.common.http import BodyLimit
@@ -27,7 +28,10 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.providers.base import Provider
 from services.gateway.providers.registry import build_provider
 from services.gateway.push import push
+from services.gateway.routed import RoutedMode
 from services.gateway.settings import GatewaySettings
+from services.publisher.store import StampStore
+from services.router.client import RouterClient
 
 log = logging.getLogger(__name__)
 TRACE_HEADER = "X-Fanroute-Trace"
@@ -44,22 +48,25 @@ class SearchRequest(BaseModel):
 
 
 class SearchResponse(BaseModel):
-    """Every candidate, one fused list, the signals, and whether the trace reached Kafka."""
+    """The candidates called, one fused list, the signals, the route (routed mode), and whether the
+    trace reached Kafka."""
 
     trace_id: str
-    mode: str
+    mode: str = Field(description="fanout (every provider) or routed (the router's pick)")
     query: str
     candidates: list[Candidate]
     fused: list[FusedResult]
     signals: Signals
     trace_published: bool
     trace_error: str | None = None
+    route: Route | None = Field(default=None, description="How a routed request was answered")
 
 
 class Gateway:
-    """Providers, bus and metrics of one running gateway; the routes call into it."""
+    """Providers, bus, metrics and (when enabled) routed mode of one running gateway; the routes call into it."""
 
-    def __init__(self, settings: GatewaySettings, bus: Bus, providers: list[Provider]) -> None:
+    def __init__(self, settings: GatewaySettings, bus: Bus, providers: list[Provider], *,
+                 stamps: StampStore | None = None, router_client: RouterClient | None = None) -> None:
         self.settings = settings
         self.bus = bus
         self.providers = providers
@@ -67,36 +74,49 @@ class Gateway:
         for p in providers:
             for outcome in ("ok", "error"):
                 self.metrics.provider_calls.labels(p.name, outcome)
+        self.routed = (RoutedMode(settings, providers, bus, self.metrics, stamps=stamps, client=router_client)
+                       if settings.routing.enabled else None)
 
     async def start(self) -> None:
         t0 = time.perf_counter()
         await asyncio.gather(*(p.start() for p in self.providers))
-        await self.bus.start((topic("traces"), topic("episodes")))
-        log.info("gateway ready in %.1fs with providers %s", time.perf_counter() - t0,
-                 [p.name for p in self.providers])
+        topics = (topic("traces"), topic("episodes"))
+        if self.routed is not None:
+            self.routed.subscribe()
+            topics += (topic("adapters"),)
+        await self.bus.start(topics)
+        if self.routed is not None:
+            await self.routed.start()
+        log.info("gateway ready in %.1fs with providers %s (%s)", time.perf_counter() - t0,
+                 [p.name for p in self.providers], "routed" if self.routed else "fan-out")
 
     async def stop(self) -> None:
+        if self.routed is not None:
+            await self.routed.stop()
         await asyncio.gather(*(p.close() for p in self.providers), return_exceptions=True)
         await self.bus.stop()
 
     async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, bool, float]:
-        """Fan out, build and publish the trace.
+        """Fan out (or route), build and publish the trace.
 
-        Returns the response, whether Kafka acked the trace, and the fan-out's wall time in ms.
+        Returns the response, whether Kafka acked the trace, and the answering's wall time in ms.
         """
         t0 = time.perf_counter()
         trace_id = content_id("trace", req.request_id) if req.request_id else uuid.uuid4().hex
-        trace = await fan_out_trace(self.providers, query, trace_id=trace_id, query_id=req.query_id,
-                                    deadline_s=self.settings.deadline_s,
-                                    contested_threshold=self.settings.contested_threshold)
-        fanout_ms = (time.perf_counter() - t0) * 1000.0
+        if self.routed is not None and not self.routed.fans_out(req.request_id or req.query_id or trace_id):
+            trace = await self.routed.trace(query, trace_id=trace_id, query_id=req.query_id)
+        else:
+            trace = await fan_out_trace(self.providers, query, trace_id=trace_id, query_id=req.query_id,
+                                        deadline_s=self.settings.deadline_s,
+                                        contested_threshold=self.settings.contested_threshold)
+        answer_ms = (time.perf_counter() - t0) * 1000.0
         candidates, signals = list(trace.candidates), trace.signals
         published, error = await self._publish(trace)
-        self._observe(candidates, signals, time.perf_counter() - t0)
+        self._observe(trace.mode, candidates, signals, time.perf_counter() - t0)
         fused = rrf(candidates, k=self.settings.rrf_k, limit=self.settings.fused_limit)
-        return SearchResponse(trace_id=trace_id, mode="fanout", query=query, candidates=candidates,
+        return SearchResponse(trace_id=trace_id, mode=trace.mode, query=query, candidates=candidates,
                               fused=fused, signals=signals, trace_published=published,
-                              trace_error=error), published, fanout_ms
+                              trace_error=error, route=trace.route), published, answer_ms
 
     async def _publish(self, trace: Trace) -> tuple[bool, str | None]:
         try:
@@ -108,10 +128,10 @@ class Gateway:
         self.metrics.traces_published.inc()
         return True, None
 
-    def _observe(self, candidates: list[Candidate], signals: Signals, seconds: float) -> None:
+    def _observe(self, mode: str, candidates: list[Candidate], signals: Signals, seconds: float) -> None:
         m = self.metrics
-        m.requests.labels("fanout", "ok").inc()
-        m.request_seconds.labels("fanout").observe(seconds)
+        m.requests.labels(mode, "ok").inc()
+        m.request_seconds.labels(mode).observe(seconds)
         if signals.contested:
             m.contested.inc()
         for c in candidates:
@@ -121,14 +141,15 @@ class Gateway:
                 m.provider_cost.labels(c.provider).inc(c.cost_usd)
 
 
-def build_gateway(settings: GatewaySettings, *, bus: Bus | None = None,
-                  providers: list[Provider] | None = None) -> Gateway:
-    """Wire a gateway from settings; tests may hand in their own bus or providers."""
+def build_gateway(settings: GatewaySettings, *, bus: Bus | None = None, providers: list[Provider] | None = None,
+                  stamps: StampStore | None = None, router_client: RouterClient | None = None) -> Gateway:
+    """Wire a gateway from settings; tests may hand in their own bus, providers, stamps or router client."""
     if providers is None:
         providers = [build_provider(cfg, collections_dir=settings.collections_dir,
                                     cache_dir=settings.cache_dir)
                      for cfg in settings.providers if cfg.enabled]
-    return Gateway(settings, bus or Bus(settings.kafka, client_id="fanroute-gateway"), providers)
+    return Gateway(settings, bus or Bus(settings.kafka, client_id="fanroute-gateway"), providers,
+                   stamps=stamps, router_client=router_client)
 
 
 def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> FastAPI:
@@ -144,7 +165,8 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
             await gw.stop()
 
     app = FastAPI(title="fanroute gateway", version="0.1.0", lifespan=lifespan,
-                  description="Fans each query out to every search provider and records a trace.")
+                  description="Fans each query out to every search provider (or to the one the router "
+                              "picks, in routed mode) and records a trace.")
     app.state.gateway = gw
     app.add_middleware(BodyLimit, default=settings.max_body_bytes, prefixes={"/v1/episodes": settings.max_push_bytes},
                        on_reject=gw.metrics.rejected.labels("body_too_large").inc)
@@ -170,12 +192,12 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
             return _error(413, "query_too_long",
                           f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
         t0 = time.perf_counter()
-        result, published, fanout_ms = await gw.search(req, query)
+        result, published, answer_ms = await gw.search(req, query)
         # Serialised once here: the response model is for the docs, not re-validated per request.
         body = result.model_dump_json()
         total_ms = (time.perf_counter() - t0) * 1000.0
         slowest = max((c.latency_ms for c in result.candidates), default=0.0)
-        timing = (f"fanout;dur={fanout_ms:.3f}, slowest-provider;dur={slowest:.3f}, "
+        timing = (f"{result.mode};dur={answer_ms:.3f}, slowest-provider;dur={slowest:.3f}, "
                   f"gateway;dur={total_ms - slowest:.3f}")
         return Response(body, media_type="application/json",
                         headers={TRACE_HEADER: "published" if published else "unpublished",
@@ -192,8 +214,11 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "providers": [p.name for p in gw.providers],
-                "kafka": "memory" if gw.bus.in_memory else gw.settings.kafka.bootstrap_servers}
+        health = {"status": "ok", "providers": [p.name for p in gw.providers],
+                  "kafka": "memory" if gw.bus.in_memory else gw.settings.kafka.bootstrap_servers}
+        if gw.routed is not None:
+            health["routing"] = gw.routed.describe()
+        return health
 
     @app.get("/metrics")
     async def metrics() -> Response:

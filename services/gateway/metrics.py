@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -30,3 +30,14 @@ class GatewayMetrics:
         self.contested = Counter("fanroute_traces_contested", "Traces flagged contested", registry=r)
         self.rejected = Counter("fanroute_gateway_rejected", "Requests refused with a 4xx", ["reason"],
                                 registry=r)
+        self.routed = Counter("fanroute_gateway_routed", "Routed requests by who picked the provider "
+                              "(router = its ordering, fallback = the best single provider)", ["path"], registry=r)
+        self.route_fallbacks = Counter("fanroute_gateway_route_fallbacks",
+                                       "Routed requests answered by the best single provider, by reason",
+                                       ["reason"], registry=r)
+        self.route_failovers = Counter("fanroute_gateway_route_failovers",
+                                       "Providers tried after the one before them failed", registry=r)
+        self.router_seconds = Histogram("fanroute_gateway_router_seconds", "Time spent asking the router",
+                                        buckets=_LATENCY_BUCKETS, registry=r)
+        self.router_version = Gauge("fanroute_gateway_router_version",
+                                    "Promoted router version the gateway follows (0 = none)", registry=r)

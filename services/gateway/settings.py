@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
 import tomllib
 from pathlib import Path
 
-from pydantic import Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from schemas.base import summarise
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings
 from services.gateway.providers.config import BM25Config, DenseConfig, LatencyModel, ProviderConfig
+from services.publisher.store import MODEL_ID_PATTERN
 
 
 def default_providers() -> list[ProviderConfig]:
@@ -30,6 +32,39 @@ def default_providers() -> list[ProviderConfig]:
 
 
 _PROVIDERS = TypeAdapter(list[ProviderConfig])
+
+
+class RoutingSettings(BaseModel):
+    """Routed mode: ask the promoted router adapter which provider answers; a slice keeps fanning out."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    enabled: bool = Field(default=False, description="Route with the promoted adapter (off = fan out every request)")
+    model_id: str = Field(default="router", pattern=MODEL_ID_PATTERN,
+                          description="Publisher model id whose promoted version routes")
+    router_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
+                                   description="OpenAI-compatible server of the adapters (the CPU sampler or "
+                                               "vLLM), e.g. http://sampler:8001; required when enabled")
+    fanout_fraction: float = Field(default=0.1, ge=0, le=1,
+                                   description="Share of requests (by request/query id hash) that keep fanning "
+                                               "out, to produce unbiased labels")
+    router_timeout_s: float = Field(default=2.0, gt=0, le=60, description="Deadline of one router call")
+    max_tokens: int = Field(default=48, ge=1, le=1024, description="Greedy tokens the router may write")
+    fallback_provider: str | None = Field(
+        default=None, min_length=1, max_length=128,
+        description="Best single provider, answering when the router cannot; must be an enabled provider "
+                    "(default: the promotion's measured one, else the first enabled provider)")
+    max_attempts: int = Field(default=2, ge=1, le=32,
+                              description="Providers tried per routed request: the top one, then the next on failure")
+    poll_s: float = Field(default=5.0, gt=0, le=3600,
+                          description="Redis poll interval for the promoted version (backstop to the topic)")
+    group_id: str | None = Field(default=None, min_length=1, max_length=128,
+                                 description="Consumer group on the adapters topic; default one per host, "
+                                             "since every replica must see every promotion")
+
+    @property
+    def consumer_group(self) -> str:
+        """``group_id``, or ``fanroute-gateway.<hostname>`` so that each replica sees every promotion."""
+        return self.group_id or f"fanroute-gateway.{socket.gethostname()}"
 
 
 class GatewaySettings(ServiceSettings):
@@ -54,6 +89,8 @@ class GatewaySettings(ServiceSettings):
     max_line_bytes: int = Field(default=262_144, ge=256, le=10_000_000, description="Largest single episode")
     fused_limit: int = Field(default=10, ge=1, le=100, description="Results in the fused list")
     rrf_k: int = Field(default=60, ge=1, le=1000, description="Reciprocal-rank fusion constant")
+    routing: RoutingSettings = Field(default_factory=RoutingSettings,
+                                     description="Routed mode (FANROUTE_ROUTING__ENABLED=true, ...)")
 
     @model_validator(mode="after")
     def _load_file_and_check(self) -> GatewaySettings:
@@ -64,7 +101,23 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"provider names must be unique, got {names}")
         if not any(p.enabled for p in self.providers):
             raise ValueError("at least one provider must be enabled")
+        _check_routing(self.routing, [p.name for p in self.providers if p.enabled], self.deadline_s)
         return self
+
+
+def _check_routing(routing: RoutingSettings, enabled: list[str], deadline_s: float) -> None:
+    """What only the whole config can tell: a named fallback is enabled, the router fits the deadline."""
+    fallback = routing.fallback_provider
+    if fallback is not None and fallback not in enabled:
+        raise ValueError(f"routing.fallback_provider {fallback!r} is not an enabled provider; enabled: {enabled}")
+    if not routing.enabled:
+        return
+    if routing.router_url is None:
+        raise ValueError("routing.router_url is required when routing is enabled "
+                         "(FANROUTE_ROUTING__ROUTER_URL=http://sampler:8001)")
+    if routing.router_timeout_s >= deadline_s:
+        raise ValueError(f"routing.router_timeout_s ({routing.router_timeout_s:g}s) must be below deadline_s "
+                         f"({deadline_s:g}s), or no provider could answer after a slow router")
 
 
 def load_providers_file(path: Path) -> list[ProviderConfig]:

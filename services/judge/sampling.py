@@ -1,4 +1,8 @@
-"""Which traces get judged: every contested one, the rest at a rate, decided from the trace id."""
+"""Which traces get judged: every contested one, the rest at a rate, decided from the trace id.
+
+A routed trace is never contested (one provider answered; there is no disagreement to resolve), so
+routed traffic is judged at the rate only, whatever its signals say.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +20,8 @@ def unit_hash(trace_id: str) -> float:
 
 
 def sample_reason(trace: Trace, rate: float) -> Reason | None:
-    """``contested`` always; otherwise ``sampled`` for a ``rate`` share of ids; else None (skip)."""
-    if trace.signals.contested:
+    """``contested`` always (never for a routed trace); otherwise ``sampled`` for a ``rate`` share of ids;
+    else None (skip)."""
+    if trace.signals.contested and trace.mode != "routed":
         return "contested"
     return "sampled" if unit_hash(trace.trace_id) < rate else None

@@ -9,6 +9,7 @@ with a ``kind`` the gateway counts its fallbacks by.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +26,10 @@ class RouterError(FanrouteError, RuntimeError):
     """The router gave no usable ordering; ``kind`` names how (and labels the fallback metric)."""
 
     kind = "router_error"
+
+    def __init__(self, message: str, *, raw: str = "") -> None:
+        super().__init__(message)
+        self.raw = raw  # the reply text, when there was one (an unparseable answer)
 
 
 class RouterTimeout(RouterError, TimeoutError):
@@ -94,7 +99,7 @@ class RouterClient:
         """The ordering ``model`` gives ``query``; :class:`RouterError` (or a subclass) when there is none."""
         await self.start()
         assert self._session is not None
-        budget = timeout_s or self.timeout_s
+        budget = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
         try:
             async with asyncio.timeout(budget):
@@ -111,14 +116,12 @@ class RouterClient:
         try:
             parsed = parse_ordering(raw, providers)
         except UnparseableOrdering as exc:
-            raise RouterUnparseable(str(exc)) from exc
+            raise RouterUnparseable(str(exc), raw=raw) from exc
         return RouterAnswer(parsed, raw, round(latency_ms, 3))
 
 
 def _content(model: str, status: int, body: bytes) -> str:
     """The first choice's message text, or a RouterError that says what came back instead."""
-    import json
-
     if status != 200:
         raise RouterError(f"router {model}: HTTP {status}: {body[:300].decode(errors='replace')}")
     try:
