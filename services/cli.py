@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
 
     add_models(sub)
     add_train(sub)
+    from services.evaluate.cli import add_parser as add_evaluate
+
+    add_evaluate(sub)
     return p
 
 
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.trainer.__main__ import run as train_run
 
         return train_run(args)
+    if args.cmd in ("eval", "promote"):
+        from services.evaluate.cli import run as evaluate_run
+
+        return evaluate_run(args)
     if args.cmd == "publisher":
         from services.publisher.__main__ import main as publisher_main
 

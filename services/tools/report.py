@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,23 +113,32 @@ def write_report(rows: list[PolicyRow], out_dir: Path) -> tuple[Path, Path]:
     jpath = out_dir / "report.json"
     jpath.write_text(json.dumps([r.__dict__ for r in rows], indent=2, default=float) + "\n")
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in rows:
-        if r.policy.startswith("best single"):
-            continue  # the same point as that provider's own row
-        if np.isnan(r.cost_per_query_usd):
-            ax.axhline(r.ndcg10, ls="--", c="grey", lw=1)
-            ax.annotate(r.policy, (0.01, r.ndcg10), xycoords=("axes fraction", "data"), xytext=(0, 3),
-                        textcoords="offset points", fontsize=8, color="grey")
-            continue
-        ax.scatter(r.cost_per_query_usd, r.ndcg10, s=40)
-        ax.annotate(r.policy, (r.cost_per_query_usd, r.ndcg10), xytext=(4, 3),
-                    textcoords="offset points", fontsize=8)
-    ax.set_xlabel("provider cost per query (USD)")
-    ax.set_ylabel("nDCG@10 vs human qrels")
+    # "best single" is the same point as that provider's own row
+    plot_cost_quality(ax, [(r.policy, r.cost_per_query_usd, r.ndcg10) for r in rows
+                           if not r.policy.startswith("best single")], "nDCG@10 vs human qrels")
     ax.set_title("fanroute: cost–quality of providers and policies")
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     ppath = out_dir / "cost_quality.png"
     fig.savefig(ppath, dpi=120)
     plt.close(fig)
     return jpath, ppath
+
+
+def plot_cost_quality(ax, points: Sequence[tuple[str, float, float]], ylabel: str) -> None:
+    """Policies on one cost–quality axes: (label, cost per query, quality) each a labelled point;
+    a NaN cost (a policy with no meaningful cost, e.g. the oracle) is a dashed horizontal line."""
+    stacked: dict[tuple[float, float], int] = defaultdict(int)  # labels of coinciding points stack up
+    for label, cost, quality in points:
+        spot = (round(float(cost), 9), round(float(quality), 6))
+        dy = 3 + 10 * stacked[spot]
+        stacked[spot] += 1
+        if np.isnan(cost):
+            ax.axhline(quality, ls="--", c="grey", lw=1)
+            ax.annotate(label, (0.01, quality), xycoords=("axes fraction", "data"), xytext=(0, dy),
+                        textcoords="offset points", fontsize=8, color="grey")
+            continue
+        ax.scatter(cost, quality, s=40)
+        ax.annotate(label, (cost, quality), xytext=(4, dy), textcoords="offset points", fontsize=8)
+    ax.set_xlabel("provider cost per query (USD)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)

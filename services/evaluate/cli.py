@@ -1,0 +1,149 @@
+"""``fanroute eval`` and ``fanroute promote``: argument wiring; heavy modules load after parsing."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from services.common.files import instant
+
+EVAL_HELP = "compare a candidate router with the deployed one and the baselines on held-out fan-out traces"
+PROMOTE_HELP = "promote a candidate router only if it beats the deployed one and the best single provider"
+PROMOTE_EPILOG = ("exit status: 0 promoted; 3 refused by the rule (reasons printed and in decision.json); "
+                  "2 bad input (files, names, an eval.json that does not match, publisher unreachable before "
+                  "deciding, unknown version); 1 the publisher failed while promoting")
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> None:
+    p.add_argument("--candidate", required=True, help="served name of the candidate adapter, e.g. router@3")
+    p.add_argument("--train-episodes", type=Path, required=train_required,
+                   help="the training episodes (fanroute dataset output): their queries are excluded and the "
+                        "best single provider is chosen on them")
+    p.add_argument("--traces", type=Path, default=None,
+                   help="traces JSONL (default: the traces topic, see --since/--until)")
+    p.add_argument("--since", type=instant, default=None, help="topic records appended at or after (ISO time)")
+    p.add_argument("--until", type=instant, default=None, help="topic records appended before (ISO time)")
+    p.add_argument("--deployed", default="auto",
+                   help="the deployed router: auto (the publisher's promoted version), none, or a served name")
+    p.add_argument("--publisher-url", default=None, help="publisher base URL (needed by --deployed auto)")
+    p.add_argument("--router-url", default="http://127.0.0.1:8001",
+                   help="OpenAI-compatible server of the adapters (the CPU sampler or vLLM)")
+    p.add_argument("--router-timeout", type=float, default=2.0, help="deadline of one router call, seconds")
+    p.add_argument("--router-max-tokens", type=int, default=48, help="greedy tokens the router may write")
+    p.add_argument("--max-attempts", type=int, default=2, help="providers tried per query (failover)")
+    p.add_argument("--concurrency", type=int, default=1, help="router and judge calls in flight")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--bootstrap", type=int, default=2000, help="paired bootstrap resamples (0 = no interval)")
+    p.add_argument("--out", type=Path, default=Path("out/eval"), help="directory for eval.json and cost_quality.png")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``eval`` and ``promote`` on the ``fanroute`` subparsers."""
+    e = sub.add_parser("eval", help=EVAL_HELP, description=EVAL_HELP)
+    _add_eval_arguments(e, train_required=True)
+    p = sub.add_parser("promote", help=PROMOTE_HELP, description=PROMOTE_HELP, epilog=PROMOTE_EPILOG)
+    p.add_argument("--eval", type=Path, default=None,
+                   help="an eval.json from fanroute eval (default: evaluate now with the eval arguments)")
+    p.add_argument("--min-gain", type=_non_negative, default=0.0,
+                   help="the candidate must beat each baseline by more than this on each measure")
+    _add_eval_arguments(p, train_required=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Dispatch; bad input is one line on stderr and exit 2."""
+    from pydantic import ValidationError
+
+    from services.common.errors import FanrouteError
+    from services.judge.settings import JudgeSettings
+
+    try:
+        settings = JudgeSettings()
+        return _eval(args, settings) if args.cmd == "eval" else _promote(args, settings)
+    except (FanrouteError, ValidationError) as exc:
+        print(f"fanroute {args.cmd}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _options(args: argparse.Namespace):
+    from services.evaluate.inputs import EvalInputError
+    from services.evaluate.run import EvalOptions
+
+    if args.train_episodes is None:
+        raise EvalInputError("--train-episodes is required to evaluate (or give --eval with an eval.json)")
+    if args.traces is not None and (args.since or args.until):
+        raise EvalInputError("--since/--until select records of the traces topic; they do not apply to --traces")
+    return EvalOptions(train_episodes=args.train_episodes, candidate=args.candidate, deployed=args.deployed,
+                       publisher_url=args.publisher_url, router_url=args.router_url, traces_file=args.traces,
+                       since=args.since, until=args.until, router_timeout_s=args.router_timeout,
+                       router_max_tokens=args.router_max_tokens, max_attempts=args.max_attempts,
+                       concurrency=args.concurrency, seed=args.seed, resamples=args.bootstrap,
+                       progress=not args.no_progress)
+
+
+def _evaluate(args: argparse.Namespace, settings) -> Path:
+    """Run the evaluation, print the table, write eval.json and the plot; returns eval.json's path."""
+    from services.evaluate.report import render, write_json, write_plot
+    from services.evaluate.run import run_eval
+
+    report = asyncio.run(run_eval(_options(args), settings))
+    print(render(report))
+    path = write_json(report, args.out)
+    plot = write_plot(report, args.out)
+    print(f"wrote {path} and {plot}")
+    return path
+
+
+def _eval(args: argparse.Namespace, settings) -> int:
+    _evaluate(args, settings)
+    return 0
+
+
+def _promote(args: argparse.Namespace, settings) -> int:
+    from services.evaluate.inputs import EvalInputError
+    from services.evaluate.promote import EXIT_REFUSED, decide, evidence, render, write_decision
+    from services.evaluate.report import read_report
+    from services.evaluate.routers import split_served_name
+    from services.publisher.client import PublisherClient, PublisherClientError
+
+    model_id, version = split_served_name(args.candidate)
+    if version is None:
+        raise EvalInputError(f"--candidate {args.candidate!r} must name a version to promote (<model_id>@<version>)")
+    if args.publisher_url is None:
+        raise EvalInputError("--publisher-url is required to promote")
+    eval_path = args.eval if args.eval is not None else _evaluate(args, settings)
+    report = read_report(eval_path)
+    if report.inputs.candidate != args.candidate:
+        raise EvalInputError(f"{eval_path} evaluated {report.inputs.candidate}, not --candidate {args.candidate}")
+    with PublisherClient(args.publisher_url, timeout_s=60) as client:
+        current = client.promoted(model_id)
+        current_name = f"{model_id}@{current['version']}" if current else None
+        if current_name != report.inputs.deployed:
+            raise EvalInputError(f"{eval_path} compared {args.candidate} with deployed "
+                                 f"{report.inputs.deployed or 'none'}, but the publisher's promoted {model_id} "
+                                 f"is now {current_name or 'none'}; evaluate again")
+        decision = decide(report, min_gain=args.min_gain, eval_file=str(eval_path))
+        status = 0 if decision.decision == "promote" else EXIT_REFUSED
+        if decision.decision == "promote":
+            try:
+                client.promote(model_id, version, fallback_provider=decision.fallback_provider,
+                               evidence=evidence(report, decision))
+                decision = decision.model_copy(update={"promoted": True})
+            except PublisherClientError as exc:
+                decision = decision.model_copy(update={"publisher_error": str(exc)})
+                status = 2 if exc.status == 404 else 1
+    path = write_decision(decision, Path(eval_path).parent)
+    print(render(decision))
+    if decision.publisher_error:
+        print(f"fanroute promote: the publisher refused or failed: {decision.publisher_error}", file=sys.stderr)
+    print(f"decision -> {path}")
+    return status

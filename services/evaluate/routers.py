@@ -1,0 +1,86 @@
+"""Asking the candidate and deployed routers about every held-out query (and checking they exist first)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Sequence
+
+import aiohttp
+
+from schemas.trace import Trace
+from services.evaluate.inputs import EvalInputError
+from services.evaluate.policies import RouterCall
+from services.router.client import RouterClient, RouterError, chat_request
+
+_SERVED = re.compile(r"^(?P<model_id>[^@\s]+)(?:@(?P<version>\d+))?$")
+#: Generous: a sampler fetches an adapter it does not hold yet from the publisher before answering.
+PROBE_TIMEOUT_S = 120.0
+
+
+def split_served_name(name: str) -> tuple[str, int | None]:
+    """``router@3`` → (``router``, 3); ``router`` → (``router``, None); anything else is bad input."""
+    m = _SERVED.match(name)
+    if m is None:
+        raise EvalInputError(f"{name!r} is not a served adapter name (<model_id> or <model_id>@<version>)")
+    return m["model_id"], int(m["version"]) if m["version"] else None
+
+
+async def probe(router_url: str, model: str, providers: Sequence[str], query: str) -> None:
+    """One 1-token request: an unknown adapter (the server's 404) or an unreachable server is bad input."""
+    url = f"{router_url.rstrip('/')}/v1/chat/completions"
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as session:
+            async with session.post(url, json=chat_request(model, providers, query, 1)) as r:
+                status, body = r.status, await r.read()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise EvalInputError(f"router server unreachable at {router_url}: {type(exc).__name__}: {exc}") from exc
+    if status == 404:
+        raise EvalInputError(f"the router server at {router_url} does not serve {model!r} (404): {_reason(body)}")
+
+
+def _reason(body: bytes) -> str:
+    """The error text of an OpenAI/vLLM (``error.message``) or fanroute (``reason``/``message``) error body."""
+    try:
+        data = json.loads(body)
+        err = data.get("error")
+        text = err.get("message") if isinstance(err, dict) else data.get("reason") or data.get("message")
+    except (ValueError, AttributeError):
+        text = None
+    return str(text) if text else body[:300].decode(errors="replace")
+
+
+async def ask_all(client: RouterClient, model: str, traces: Sequence[Trace], *, concurrency: int = 1,
+                  progress: bool = True) -> dict[str, RouterCall]:
+    """trace id → what ``model`` answered for that trace's query over that trace's providers.
+
+    ``router_ms`` is measured around each call (a failure costs the time until it failed).
+    """
+    from tqdm import tqdm
+
+    gate = asyncio.Semaphore(concurrency)
+    bar = tqdm(total=len(traces), desc=f"route {model}", unit="q", disable=not progress)
+
+    async def one(t: Trace) -> tuple[str, RouterCall]:
+        providers = [c.provider for c in t.candidates]
+        async with gate:
+            t0 = time.perf_counter()
+            try:
+                answer = await client.route(model, providers, t.query)
+            except RouterError as exc:
+                call = RouterCall(error_kind=exc.kind, router_ms=_ms(t0), raw=getattr(exc, "raw", ""), error=str(exc))
+            else:
+                call = RouterCall(ordering=answer.ordering, router_ms=_ms(t0), raw=answer.raw)
+        bar.update()
+        return t.trace_id, call
+
+    try:
+        return dict(await asyncio.gather(*(one(t) for t in traces)))
+    finally:
+        bar.close()
+
+
+def _ms(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1000.0, 3)

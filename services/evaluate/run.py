@@ -1,0 +1,166 @@
+"""``fanroute eval``: load the held-out traces, ask the routers, judge and score, replay every policy."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.trace import Trace
+from services.evaluate import policies as pol
+from services.evaluate.baseline import choose_best_single
+from services.evaluate.inputs import EvalInputError, held_out, load_traces_file, topic_traces
+from services.evaluate.metrics import summarise
+from services.evaluate.policies import QueryScores, RouterCall
+from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, QueryRow
+from services.evaluate.routers import ask_all, probe, split_served_name
+from services.judge.settings import JudgeSettings
+
+
+class EvalOptions(BaseModel):
+    """Everything ``fanroute eval`` (and ``promote`` without ``--eval``) is told on the command line."""
+
+    model_config = ConfigDict(frozen=True)
+    train_episodes: Path = Field(description="Training episodes (the output of fanroute dataset)")
+    candidate: str = Field(min_length=1, description="Served name of the candidate adapter, e.g. router@3")
+    deployed: str = Field(default="auto", min_length=1, description="auto (ask the publisher), none, or a served name")
+    publisher_url: str | None = None
+    router_url: str = "http://127.0.0.1:8001"
+    traces_file: Path | None = Field(default=None, description="Traces JSONL; None = the traces topic")
+    since: datetime | None = None
+    until: datetime | None = None
+    router_timeout_s: float = Field(default=2.0, gt=0, le=600)
+    router_max_tokens: int = Field(default=48, ge=1, le=1024)
+    max_attempts: int = Field(default=2, ge=1, le=32)
+    concurrency: int = Field(default=1, ge=1, le=256)
+    seed: int = 0
+    resamples: int = Field(default=2000, ge=0, le=100_000)
+    collections_dir: Path | None = None
+    progress: bool = True
+
+
+def resolve_deployed(opts: EvalOptions) -> tuple[str | None, Literal["auto", "explicit", "none"], str | None]:
+    """(served name, how it was found, its promotion's fallback provider) of the deployed router."""
+    if opts.deployed == "none":
+        return None, "none", None
+    if opts.deployed != "auto":
+        split_served_name(opts.deployed)
+        return opts.deployed, "explicit", None
+    if not opts.publisher_url:
+        raise EvalInputError("--deployed auto asks the publisher which version is promoted: give --publisher-url, "
+                             "or --deployed none / --deployed <model_id>@<version>")
+    from services.publisher.client import PublisherClient
+
+    model_id, _ = split_served_name(opts.candidate)
+    with PublisherClient(opts.publisher_url, timeout_s=30) as client:
+        record = client.promoted(model_id)
+    if record is None:
+        return None, "auto", None
+    return f"{model_id}@{record['version']}", "auto", record.get("fallback_provider")
+
+
+async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
+    """The whole evaluation; :class:`EvalInputError` (or another FanrouteError) on unusable input."""
+    from services.judge.__main__ import guard
+    from services.trainer.data import load_episodes_file
+
+    split_served_name(opts.candidate)
+    guard(settings)  # the judge must not be one of the providers it grades
+    episodes = load_episodes_file(opts.train_episodes)
+    best = choose_best_single(episodes)
+    traces, unreadable, source = await _traces(opts, settings)
+    held = held_out(traces, episodes, require=best.provider)
+    if not held.traces:
+        raise EvalInputError(f"no held-out fan-out trace to evaluate on: read {held.read} from {source}, "
+                             f"excluded {held.excluded}")
+    deployed, deployed_source, deployed_fallback = await asyncio.to_thread(resolve_deployed, opts)
+    adapters = {pol.CANDIDATE: opts.candidate, **({pol.DEPLOYED: deployed} if deployed else {})}
+    calls = await _ask_routers(opts, list(dict.fromkeys(adapters.values())), held.traces)
+    scored, judge = await _score(opts, settings, held.traces)
+    outcomes, rows = replay(scored, adapters, calls, best.provider, opts.max_attempts)
+    metrics, comparisons = summarise(outcomes, adapters, seed=opts.seed, resamples=opts.resamples)
+    inputs = EvalInputs(
+        traces_source=source, traces_read=held.read, traces_unreadable=unreadable, excluded=held.excluded,
+        held_out=len(held.traces), human_queries=sum(q.human is not None for q in scored),
+        judge_failed=sum(q.judge is None for q in scored), train_episodes_file=str(opts.train_episodes),
+        train_episodes=len(episodes), candidate=opts.candidate, deployed=deployed,
+        deployed_source=deployed_source, deployed_fallback_provider=deployed_fallback,
+        router_url=opts.router_url, router_timeout_s=opts.router_timeout_s,
+        router_max_tokens=opts.router_max_tokens, max_attempts=opts.max_attempts, judge=judge,
+        best_single=best, seed=opts.seed)
+    return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
+                      queries=rows)
+
+
+async def _traces(opts: EvalOptions, settings: JudgeSettings) -> tuple[list[Trace], int, str]:
+    """(traces, unreadable records, where they came from): the file, or the topic between the times."""
+    if opts.traces_file is not None:
+        return load_traces_file(opts.traces_file), 0, f"file {opts.traces_file}"
+    traces, unreadable = await topic_traces(settings.kafka, opts.since, opts.until)
+    lo = opts.since.isoformat() if opts.since else "-inf"
+    hi = opts.until.isoformat() if opts.until else "now"
+    source = f"topic {settings.kafka.topic_namespace}traces appended in [{lo}, {hi})"
+    return traces, unreadable, source
+
+
+async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace]) -> dict[str, dict[str, RouterCall]]:
+    """adapter name → trace id → its answer; each adapter is probed first (404 or unreachable: bad input)."""
+    from services.router.client import RouterClient
+
+    first = traces[0]
+    providers = [c.provider for c in first.candidates]
+    for name in names:
+        await probe(opts.router_url, name, providers, first.query)
+    calls: dict[str, dict[str, RouterCall]] = {}
+    async with RouterClient(opts.router_url, timeout_s=opts.router_timeout_s,
+                            max_tokens=opts.router_max_tokens) as client:
+        for name in names:
+            calls[name] = await ask_all(client, name, traces, concurrency=opts.concurrency, progress=opts.progress)
+            if any(c.error_kind == "router_error" for c in calls[name].values()):
+                # An error may be the router's or the server's: a server that went away (or stopped
+                # serving the adapter) spoils the measurement rather than measuring the router.
+                await probe(opts.router_url, name, providers, first.query)
+    return calls
+
+
+async def _score(opts: EvalOptions, settings: JudgeSettings,
+                 traces: list[Trace]) -> tuple[list[QueryScores], JudgeRecord]:
+    """Every trace with its human and judge scores, and who judged."""
+    from services.evaluate.scoring import human_scores, judge_all
+    from services.judge.__main__ import provider_hosts
+    from services.judge.calibration.human import QrelsStore
+    from services.judge.rubric import RUBRIC_VERSION
+    from services.judge.settings import build_backend
+
+    backend = build_backend(settings.judge)
+    await backend.start()
+    try:
+        grades = await judge_all(backend, traces, hide=provider_hosts(settings), concurrency=opts.concurrency,
+                                 progress=opts.progress)
+    finally:
+        await backend.close()
+    store = QrelsStore(opts.collections_dir)
+    ident = backend.identity
+    judge = JudgeRecord(kind=ident.kind, model=ident.model, endpoint=ident.endpoint, rubric_version=RUBRIC_VERSION,
+                        rubric_hash=backend.rubric)
+    return [QueryScores(t, human_scores(t, store), grades[t.trace_id]) for t in traces], judge
+
+
+def replay(scored: list[QueryScores], adapters: dict[str, str], calls: dict[str, dict[str, RouterCall]],
+           best_single: str, max_attempts: int) -> tuple[dict[str, list[pol.Outcome]], list[QueryRow]]:
+    """Every policy's outcome on every query: one list per policy (aligned by query) and one row per query."""
+    outcomes: dict[str, list[pol.Outcome]] = {p: [] for p in (*adapters, pol.BEST_SINGLE, pol.ORACLE, pol.FANOUT)}
+    rows = []
+    for q in scored:
+        tid = q.trace.trace_id
+        per = {p: pol.routed(q, p, calls[name][tid], best_single, max_attempts) for p, name in adapters.items()}
+        per[pol.BEST_SINGLE] = pol.single(q, best_single, max_attempts)
+        per[pol.ORACLE] = pol.oracle(q)
+        per[pol.FANOUT] = pol.fanout(q)
+        for p, o in per.items():
+            outcomes[p].append(o)
+        rows.append(QueryRow(trace_id=tid, query_id=q.trace.query_id, query=q.trace.query, outcomes=per))
+    return outcomes, rows

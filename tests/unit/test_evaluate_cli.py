@@ -1,0 +1,121 @@
+"""``fanroute eval`` end to end against a fake OpenAI-compatible router and the local judge, on ADI
+traces with real qrels; and its bad-input errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli import main
+from tests.eval_fakes import adi, adi_trace, episode, make_trace, cand, router_server, write_jsonl
+
+PROVIDERS = ("good", "cheap", "flaky")
+
+
+def _answer(model: str, query: str) -> str | None:
+    return {"router@2": "good > flaky > cheap", "router@1": "I am not sure, sorry.", "router@5": None}[model]
+
+
+@pytest.fixture(scope="module")
+def router():
+    with router_server(_answer, ["router@1", "router@2", "router@5"]) as server:
+        yield server.url().rstrip("/")
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    qids = sorted(adi()[1], key=int)
+    held, trained = qids[:6], qids[6:8]
+    traces = [adi_trace(q, flaky_error=(i == 0)) for i, q in enumerate(held)]
+    traces += [adi_trace(q) for q in trained]  # queries the student trained on: excluded
+    traces.append(make_trace("routed-1", [cand("good")], mode="routed"))  # not a fan-out trace
+    queries = adi()[0]
+    eps = [episode(queries[q], "cheap > good > flaky", PROVIDERS, ep_id=f"e{q}") for q in trained]
+    write_jsonl(tmp_path / "traces.jsonl", traces)
+    write_jsonl(tmp_path / "train.jsonl", eps)
+    return tmp_path
+
+
+def _eval_args(inputs, router, *extra: str) -> list[str]:
+    return ["eval", "--traces", str(inputs / "traces.jsonl"), "--train-episodes", str(inputs / "train.jsonl"),
+            "--router-url", router, "--out", str(inputs / "out"), "--no-progress", "--bootstrap", "200", *extra]
+
+
+def test_eval_end_to_end(inputs, router, capsys):
+    code = main(_eval_args(inputs, router, "--candidate", "router@2", "--deployed", "router@1"))
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((inputs / "out" / "eval.json").read_text())
+    assert (inputs / "out" / "cost_quality.png").read_bytes()[:4] == b"\x89PNG"
+    i = report["inputs"]
+    assert (i["held_out"], i["traces_read"], i["human_queries"], i["judge_failed"]) == (6, 9, 6, 0)
+    assert i["excluded"]["trained_query"] == 2 and i["excluded"]["not_fanout"] == 1
+    assert i["best_single"]["provider"] == "cheap"  # chosen on the training episodes only
+    assert i["judge"]["model"] == "local-lexical-v1" and len(i["judge"]["rubric_hash"]) >= 8
+    p = report["policies"]
+    assert p["candidate"]["human"]["mean"] == pytest.approx(1.0)  # good cites every relevant document
+    assert p["best_single"]["human"]["mean"] == 0.0
+    assert p["deployed"]["fallbacks"] == {"unparseable": 6}  # garbage answers: counted, best single answered
+    assert p["deployed"]["human"]["mean"] == 0.0 and p["candidate"]["fallbacks"] == {}
+    assert p["candidate"]["oracle_gain_share"]["human"] == pytest.approx(1.0)
+    assert p["fanout"]["calls_per_query"] == 3 and p["oracle"]["calls_per_query"] == 1
+    assert p["candidate"]["latency_p50_ms"] >= 300  # router time + the good provider's 300 ms
+    assert p["candidate"]["judge"]["mean"] > p["best_single"]["judge"]["mean"]
+    comp = {(c["a"], c["b"], c["measure"]): c for c in report["comparisons"]}
+    c = comp[("candidate", "best_single", "human")]
+    assert (c["wins"], c["ties"], c["losses"], c["n"]) == (6, 0, 0, 6) and c["ci95"][0] > 0
+    assert len(report["queries"]) == 6 and set(report["queries"][0]["outcomes"]) == {
+        "candidate", "deployed", "best_single", "oracle", "fanout"}
+    first = next(q for q in report["queries"] if q["trace_id"] == "adi-1")
+    assert first["outcomes"]["candidate"]["called"] == ["good"]
+    assert "candidate (router@2)" in out and "best_single (cheap)" in out and "fallbacks: unparseable 6" in out
+
+
+def test_router_server_errors_are_counted_fallbacks(inputs, router, capsys):
+    assert main(_eval_args(inputs, router, "--candidate", "router@5", "--deployed", "none")) == 0
+    assert "first router_error: router router@5: HTTP 500" in capsys.readouterr().out
+    cand = json.loads((inputs / "out" / "eval.json").read_text())["policies"]["candidate"]
+    assert cand["fallbacks"] == {"router_error": 6} and "HTTP 500" in cand["fallback_examples"]["router_error"]
+    assert "deployed" not in json.loads((inputs / "out" / "eval.json").read_text())["policies"]
+
+
+def _fails(capsys, argv, *needles: str) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    for n in needles:
+        assert n in err, err
+
+
+def test_unknown_adapter_is_the_routers_404(inputs, router, capsys):
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@9", "--deployed", "none"),
+           "does not serve 'router@9' (404)", "does not exist")
+
+
+def test_router_unreachable(inputs, capsys):
+    _fails(capsys, _eval_args(inputs, "http://127.0.0.1:9", "--candidate", "router@2", "--deployed", "none"),
+           "unreachable at http://127.0.0.1:9")
+
+
+def test_malformed_episodes_and_traces_name_file_and_line(inputs, router, capsys):
+    lines = (inputs / "train.jsonl").read_bytes()
+    (inputs / "train.jsonl").write_bytes(lines + b"{not json\n")
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none"),
+           "train.jsonl:3: not an episode")
+    (inputs / "train.jsonl").write_bytes(lines)
+    (inputs / "traces.jsonl").write_bytes(b"\n" + b'{"trace_id": "x"}\n')
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none"),
+           "traces.jsonl:2: not a trace")
+
+
+def test_other_bad_input(inputs, router, capsys):
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2"), "--deployed auto", "--publisher-url")
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "bad name@x", "--deployed", "none"),
+           "not a served adapter name")
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none",
+                              "--since", "2026-01-01T00:00:00Z"), "--since/--until")
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none",
+                              "--max-attempts", "0"), "max_attempts")
+    write_jsonl(inputs / "traces.jsonl", [make_trace("r", [cand("good")], mode="routed")])
+    _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none"),
+           "no held-out fan-out trace", "not_fanout")

@@ -1,0 +1,173 @@
+"""The promotion rule (every refusal reason) and ``fanroute promote`` against a fake publisher client."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from services.cli import main
+from services.evaluate.baseline import BestSingle, ProviderRecord
+from services.evaluate.metrics import MeasureStats, PolicyMetrics
+from services.evaluate.promote import EXIT_REFUSED, decide
+from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, write_json
+from services.publisher.client import PublisherClientError
+
+
+def _metrics(policy: str, human: float | None, judge: float | None, adapter: str | None = None) -> PolicyMetrics:
+    return PolicyMetrics(policy=policy, adapter=adapter, queries=10,
+                         human=MeasureStats(mean=human, n=0 if human is None else 10),
+                         judge=MeasureStats(mean=judge, n=10), calls_per_query=1, cost_per_query_usd=0.001,
+                         latency_p50_ms=100, latency_p99_ms=200)
+
+
+def make_report(cand=(0.6, 2.0), best=(0.5, 1.5), deployed=(0.55, 1.8), *, candidate="router@3",
+                deployed_name: str | None = "router@2") -> EvalReport:
+    policies = {"candidate": _metrics("candidate", *cand, adapter=candidate),
+                "best_single": _metrics("best_single", *best),
+                "oracle": _metrics("oracle", 0.7, 2.5), "fanout": _metrics("fanout", 0.55, 1.9)}
+    if deployed_name is not None:
+        policies["deployed"] = _metrics("deployed", *deployed, adapter=deployed_name)
+    inputs = EvalInputs(
+        traces_source="file t.jsonl", traces_read=12, excluded={"trained_query": 2}, held_out=10, human_queries=10,
+        judge_failed=0, train_episodes_file="train.jsonl", train_episodes=40, candidate=candidate,
+        deployed=deployed_name, deployed_source="auto" if deployed_name else "none", router_url="http://r",
+        router_timeout_s=2, router_max_tokens=48, max_attempts=2,
+        judge=JudgeRecord(kind="local", model="local-lexical-v1", rubric_version="v1", rubric_hash="abcdef0123"),
+        best_single=BestSingle(provider="bm25-all", episodes_used=40, episodes_unreadable=0,
+                               table=(ProviderRecord(provider="bm25-all", episodes=40, top_share=0.6,
+                                                     mean_position=0.8),)),
+        seed=0)
+    return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=policies, comparisons=[])
+
+
+def test_promotes_when_it_beats_both_baselines_on_both_measures():
+    d = decide(make_report())
+    assert d.decision == "promote" and len(d.checks) == 4 and all(c.passed for c in d.checks)
+    assert d.fallback_provider == "bm25-all"
+    assert any("human: candidate 0.6000 beats best_single (bm25-all) 0.5000" in r for r in d.reasons)
+
+
+def test_no_deployed_router_means_only_the_best_single_baseline():
+    d = decide(make_report(deployed_name=None))
+    assert d.decision == "promote" and {c.baseline for c in d.checks} == {"best_single"}
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"cand": (0.6, 1.4)}, "judge: candidate 1.4000 does not beat best_single (bm25-all) 1.5000"),
+    ({"cand": (0.45, 2.0)}, "human: candidate 0.4500 does not beat best_single (bm25-all) 0.5000"),
+    ({"deployed": (0.65, 1.8)}, "human: candidate 0.6000 does not beat deployed (router@2) 0.6500"),
+    ({"deployed": (0.55, 2.1)}, "judge: candidate 2.0000 does not beat deployed (router@2) 2.1000"),
+    ({"cand": (0.5, 2.0)}, "does not beat best_single (bm25-all) 0.5000"),  # equal is not better
+    ({"cand": (None, 2.0), "best": (None, 1.5), "deployed": (None, 1.8)}, "no human measure"),
+    ({"deployed_name": "router@3"}, "router@3 is already the deployed router"),
+])
+def test_every_refusal_reason(kwargs, reason):
+    d = decide(make_report(**kwargs))
+    assert d.decision == "refuse"
+    assert any(reason in r for r in d.reasons), d.reasons
+
+
+def test_min_gain():
+    assert decide(make_report(), min_gain=0.02).decision == "promote"
+    d = decide(make_report(), min_gain=0.06)
+    assert d.decision == "refuse" and any("by more than 0.06" in r for r in d.reasons)
+
+
+class FakePublisher:
+    """Stands in for PublisherClient: a promoted record, and what promote() was called with."""
+
+    promoted_record: dict | None = {"version": 2, "fallback_provider": "bm25-all"}
+    promote_error: PublisherClientError | None = None
+    unreachable = False
+    calls: list
+
+    def __init__(self, base_url: str, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def promoted(self, model_id: str):
+        if self.unreachable:
+            raise PublisherClientError(f"GET {self.base_url}/v1/adapters/{model_id}/promoted: ConnectError")
+        return self.promoted_record
+
+    def promote(self, model_id, version, *, fallback_provider=None, evidence=None):
+        if self.promote_error is not None:
+            raise self.promote_error
+        self.calls.append((model_id, version, fallback_provider, evidence))
+        return {"model_id": model_id, "version": version, "promoted": True}
+
+
+@pytest.fixture
+def publisher(monkeypatch):
+    import services.publisher.client as client_mod
+
+    class P(FakePublisher):  # a fresh class per test: its attributes are that test's script
+        calls: list = []
+
+    monkeypatch.setattr(client_mod, "PublisherClient", P)
+    return P
+
+
+def _promote(tmp_path, report: EvalReport, *extra: str) -> int:
+    path = write_json(report, tmp_path / "ev")
+    return main(["promote", "--candidate", report.inputs.candidate, "--publisher-url", "http://pub",
+                 "--eval", str(path), *extra])
+
+
+def test_cli_promotes_with_evidence_and_writes_the_decision(tmp_path, publisher, capsys):
+    assert _promote(tmp_path, make_report()) == 0
+    out = capsys.readouterr().out
+    assert "PROMOTE router@3" in out
+    (model_id, version, fallback, evidence), = publisher.calls
+    assert (model_id, version, fallback) == ("router", 3, "bm25-all")
+    assert evidence["decision"]["decision"] == "promote" and "queries" not in evidence["eval"]
+    assert evidence["eval"]["policies"]["candidate"]["human"]["mean"] == 0.6
+    decision = json.loads((tmp_path / "ev" / "decision.json").read_text())
+    assert decision["decision"] == "promote" and decision["promoted"] is True
+
+
+def test_cli_refuses_with_reasons_and_a_distinct_exit(tmp_path, publisher, capsys):
+    assert _promote(tmp_path, make_report(cand=(0.6, 1.0))) == EXIT_REFUSED == 3
+    out = capsys.readouterr().out
+    assert "REFUSED router@3" in out and "judge: candidate 1.0000 does not beat" in out
+    assert publisher.calls == []
+    decision = json.loads((tmp_path / "ev" / "decision.json").read_text())
+    assert decision["decision"] == "refuse" and decision["promoted"] is False and decision["reasons"]
+
+
+def test_cli_bad_input(tmp_path, publisher, capsys):
+    path = write_json(make_report(), tmp_path / "ev")
+    base = ["promote", "--publisher-url", "http://pub", "--eval", str(path)]
+    assert main([*base, "--candidate", "router@4"]) == 2
+    assert "evaluated router@3, not --candidate router@4" in capsys.readouterr().err
+    assert main([*base, "--candidate", "router"]) == 2
+    assert "must name a version" in capsys.readouterr().err
+    publisher.promoted_record = {"version": 1}  # someone promoted another version since the eval
+    assert main([*base, "--candidate", "router@3"]) == 2
+    assert "deployed router@2, but the publisher's promoted router is now router@1" in capsys.readouterr().err
+    publisher.unreachable = True
+    assert main([*base, "--candidate", "router@3"]) == 2
+    assert "ConnectError" in capsys.readouterr().err
+    (tmp_path / "junk.json").write_text("{}")
+    assert main(["promote", "--candidate", "router@3", "--publisher-url", "http://pub",
+                 "--eval", str(tmp_path / "junk.json")]) == 2
+    assert "not an eval.json written by fanroute eval" in capsys.readouterr().err
+    assert main(["promote", "--candidate", "router@3", "--publisher-url", "http://pub"]) == 2
+    assert "--train-episodes is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--candidate", "router@3", "--min-gain", "-1"])
+
+
+@pytest.mark.parametrize("status, code", [(503, 1), (404, 2)])
+def test_cli_publisher_failure_while_promoting(tmp_path, publisher, capsys, status, code):
+    publisher.promote_error = PublisherClientError("HTTP error", status=status)
+    assert _promote(tmp_path, make_report()) == code
+    decision = json.loads((tmp_path / "ev" / "decision.json").read_text())
+    assert decision["decision"] == "promote" and decision["promoted"] is False and decision["publisher_error"]
