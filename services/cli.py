@@ -14,11 +14,17 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("gateway", help="serve the fan-out gateway (same as python -m services.gateway)")
 
-    d = sub.add_parser("demo", help="the main job on the embedded default: stack, gateway, replay, report")
-    d.add_argument("--queries", type=int, default=80, help="how many development queries to replay")
-    d.add_argument("--rate", type=float, default=10.0, help="requests per second")
-    d.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    d = sub.add_parser("demo", help="the whole loop on the embedded default: fan out, judge, distill, "
+                                    "evaluate, promote if better, route")
+    d.add_argument("--queries", type=int, default=None,
+                   help="how many development queries to replay (default: all 677 judged ones)")
+    d.add_argument("--rate", type=float, default=20.0, help="fan-out requests per second")
+    d.add_argument("--concurrency", type=int, default=16, help="fan-out requests in flight at most")
     d.add_argument("--seed", type=int, default=0, help="query sampling seed")
+    d.add_argument("--held-out", type=float, default=0.3,
+                   help="share of queries (by hash of the query id) the student never trains on")
+    d.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="stop after the fan-out era (no training, evaluation, promotion or routing)")
     d.add_argument("--out", type=Path, default=None, help="report directory (default out/demo)")
     d.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running after")
 
@@ -130,8 +136,12 @@ def main(argv: list[str] | None = None) -> int:
         return _replay(args)
     from services.tools.demo import DemoOptions, run_demo
 
+    if args.queries is not None and args.queries < 10 or not 0.05 <= args.held_out <= 0.9:
+        print("fanroute demo: --queries must be at least 10 and --held-out within 0.05..0.9", file=sys.stderr)
+        return 2
     opts = DemoOptions(queries=args.queries, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
-                       keep_stack=args.keep_stack, **({"out_dir": args.out} if args.out else {}))
+                       keep_stack=args.keep_stack, loop=args.loop, held_out_fraction=args.held_out,
+                       **({"out_dir": args.out} if args.out else {}))
     return asyncio.run(run_demo(opts))
 
 

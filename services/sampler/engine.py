@@ -66,14 +66,16 @@ class Engine:
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", max_model_len: int | None = None,
                  threads: int | None = None) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from services.models.load import load_causal_lm
 
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
         self.model_dir = str(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=getattr(torch, dtype)).eval()
+        self.model = load_causal_lm(self.model_dir, getattr(torch, dtype)).eval()
         self._peft: Any = None  # peft.PeftModel wrapping self.model once the first adapter is loaded
         self.lock = threading.RLock()
         context = getattr(self.model.config, "max_position_embeddings", None) or 2048

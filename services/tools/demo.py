@@ -1,13 +1,15 @@
-"""``fanroute demo``: the main job as far as it exists — real Kafka, the gateway over the bundled
-collections, a replay of their queries, the traces read back from the topic, and a report
-of what each provider (and the oracle, and full fan-out) scores against human qrels.
+"""``fanroute demo``: the whole loop on the embedded default, on real Kafka and Redis.
+
+Fan-out era: the gateway over the bundled collections, a replay of their development queries,
+the traces read back from the topic and scored against the human qrels, the judge and the episode
+builder on the topics. Then (services/tools/demo_loop.py) a short CPU SFT run, publish, evaluation
+on held-out queries, promotion only if the student wins, and routed traffic through the gateway.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -21,6 +23,7 @@ from services.common.settings import KafkaSettings
 from services.gateway.providers.collections import default_collections_dir
 from services.tools.replay import replay, sample_queries
 from services.tools.report import render, score_traces, write_report
+from services.tools.serving import free_port, served
 from services.tools.traces import format_trace, read_traces
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,18 +33,18 @@ REPO = Path(__file__).resolve().parents[2]
 class DemoOptions:
     """Knobs of the demo run."""
 
-    queries: int = 80
-    rate: float = 10.0
-    concurrency: int = 8
+    queries: int | None = None  # None = every judged development query (677)
+    rate: float = 20.0
+    concurrency: int = 16
     seed: int = 0
     out_dir: Path = REPO / "out" / "demo"
     keep_stack: bool = False
+    judge_rate: float = 1.0  # label every trace: the short training run needs them (the service default is 0.2)
+    loop: bool = True  # False: stop after the fan-out era (no training, evaluation or routing)
+    held_out_fraction: float = 0.3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STEPS = 8
 
 
 async def run_demo(opts: DemoOptions) -> int:
@@ -52,7 +55,7 @@ async def run_demo(opts: DemoOptions) -> int:
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or os.environ.get("FANROUTE_KAFKA__BOOTSTRAP_SERVERS")
     redis_url = os.environ.get("REDIS_URL") or os.environ.get("FANROUTE_REDIS__URL") or "memory://"
     if not bootstrap:
-        print("[1/6] starting Apache Kafka (KRaft) and redis-server on loopback ...", flush=True)
+        print(f"[1/{STEPS}] starting Apache Kafka (KRaft) and redis-server on loopback ...", flush=True)
         info = stack.up(REPO / ".stack")
         bootstrap, redis_url, started_stack = info.bootstrap_servers, info.redis_url, True
     print(f"      Kafka at {bootstrap}, Redis at {redis_url}", flush=True)
@@ -65,38 +68,33 @@ async def run_demo(opts: DemoOptions) -> int:
 
 
 async def _demo(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
-    import uvicorn
-
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(kafka=kafka, port=_free_port())
-    print(f"[2/6] starting the gateway with providers {[p.name for p in settings.providers]}"
+    settings = GatewaySettings(kafka=kafka, port=free_port())
+    print(f"[2/{STEPS}] starting the gateway (fan-out mode) with providers {[p.name for p in settings.providers]}"
           " (indexes are built once and cached; the first run builds them) ...", flush=True)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
-                                           log_level="warning", access_log=False))
-    serving = asyncio.create_task(server.serve())
     t0 = time.perf_counter()
-    while not server.started:
-        if serving.done():
-            serving.result()
-            raise RuntimeError("gateway exited during start-up")
-        await asyncio.sleep(0.1)
-    print(f"      gateway ready at http://127.0.0.1:{settings.port} in {time.perf_counter() - t0:.1f}s",
-          flush=True)
-    try:
-        traces, code = await _traffic(opts, kafka, f"http://127.0.0.1:{settings.port}")
-    finally:
-        server.should_exit = True
-        await serving
-    verdicts = await _judge(kafka, redis_url, traces, settings.providers, opts.out_dir)
-    return code if len(verdicts) == sum(_sampled(t) for t in traces) else 1
+    async with served(create_app(settings), settings.port, what="gateway") as url:
+        print(f"      gateway ready at {url} in {time.perf_counter() - t0:.1f}s", flush=True)
+        traces, code = await _traffic(opts, kafka, url)
+    verdicts, episodes, wanted = await _judge(kafka, redis_url, traces, settings.providers, opts)
+    code = code if len(verdicts) == wanted else 1
+    if not opts.loop:
+        return code
+    from services.tools.demo_loop import LoopOptions, distill_and_route, split
+
+    data = split(traces, episodes, opts.held_out_fraction, opts.out_dir)
+    print(f"      split by query: {data.n_train} training episodes, {len(data.held_out)} held-out queries "
+          f"({opts.held_out_fraction:.0%}) the student never sees", flush=True)
+    loop = LoopOptions(held_out_fraction=opts.held_out_fraction)
+    return max(code, await distill_and_route(kafka, redis_url, data, settings, opts.out_dir, loop, 6, STEPS))
 
 
 async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[list[Trace], int]:
     queries = sample_queries(limit=opts.queries, seed=opts.seed)
     since = datetime.now(UTC)
-    print(f"[3/6] replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
+    print(f"[3/{STEPS}] replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
           "traces as they land on the Kafka topic:", flush=True)
     traces: list[Trace] = []
 
@@ -111,29 +109,25 @@ async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[l
         await asyncio.wait_for(watcher, timeout=60)
     except TimeoutError:
         print(f"      only {len(traces)} of {len(queries)} traces arrived within 60 s")
-    print("[4/6] replay summary\n" + summary.render(), flush=True)
+    print("      replay summary\n" + summary.render(), flush=True)
     if traces:
         ov = np.percentile([t.signals.mean_overlap for t in traces], [10, 50, 90])
         n_contested = sum(t.signals.contested for t in traces)
         print(f"      mean citation overlap p10/p50/p90 = {ov[0]:.2f}/{ov[1]:.2f}/{ov[2]:.2f}; "
               f"contested (below {traces[0].signals.contested_threshold:g}): {n_contested}/{len(traces)}")
     rows = score_traces(traces, default_collections_dir())
-    print(f"[5/6] {len(traces)} traces read back from Kafka\n" + render(rows, len(traces)), flush=True)
+    print(f"[4/{STEPS}] {len(traces)} traces read back from Kafka\n" + render(rows, len(traces)), flush=True)
     jpath, ppath = write_report(rows, opts.out_dir)
     print(f"report: {jpath}\nplot:   {ppath}")
     return traces, 0 if summary.ok == len(queries) and len(traces) == len(queries) else 1
 
 
-def _sampled(trace: Trace) -> bool:
-    from services.judge.sampling import sample_reason
-    from services.judge.settings import JudgeSettings
-
-    return sample_reason(trace, JudgeSettings.model_fields["sample_rate"].default) is not None
-
-
-async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], providers, out_dir: Path) -> list:
+async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], providers,
+                 opts: DemoOptions) -> tuple[list, list, int]:
     """Run the judge worker and the episode builder on the topics until this run's sampled
-    traces have verdicts; then show the episodes, ATIF files and replay tasks they became."""
+    traces have verdicts; then show the episodes, ATIF files and replay tasks they became.
+
+    Returns the verdicts, the episodes, and how many verdicts were expected."""
     from schemas import Verdict, topic
     from services.common.bus import ensure_topics
     from services.common.settings import RedisSettings
@@ -146,11 +140,16 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
     from services.judge.settings import JudgeSettings, build_backend
     from services.judge.worker import verdict_id
 
-    settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), providers=providers)
+    from services.judge.sampling import sample_reason
+
+    out_dir = opts.out_dir
+    settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), providers=providers,
+                             sample_rate=opts.judge_rate)
     guard(settings)
     backend = build_backend(settings.judge)
-    wanted = {verdict_id(t.trace_id, backend, backend.rubric) for t in traces if _sampled(t)}
-    print(f"[6/6] judging: {len(wanted)} of {len(traces)} traces sampled (every contested one, "
+    wanted = {verdict_id(t.trace_id, backend, backend.rubric) for t in traces
+              if sample_reason(t, settings.sample_rate) is not None}
+    print(f"[5/{STEPS}] judging: {len(wanted)} of {len(traces)} traces sampled (every contested one, "
           f"{settings.sample_rate:.0%} of the rest) by {backend.identity.model}", flush=True)
     since = min((t.received_at for t in traces), default=None)
     await ensure_topics(kafka, [(n, topic(n)) for n in ("verdicts", "episodes", "tasks")])  # before reading
@@ -189,7 +188,7 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
         result = run_verifier(task_dir, answer)
         print(f"  local verifier on {task_dir.name[:12]} with the judge's ordering: reward {result.reward} "
               f"({result.source})")
-    return list(got.values())
+    return list(got.values()), episodes, len(wanted)
 
 
 async def _episodes(kafka: KafkaSettings, trace_ids: set[str], n: int, out_dir: Path):

@@ -36,11 +36,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"fanroute train: invalid settings: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
-    from services.trainer.train import PublishError, train
+    from services.trainer.train import DivergedError, PublishError, train
 
     try:
         train(settings)
-    except (BusError, PublishError) as exc:
+    except (BusError, DivergedError, PublishError) as exc:
         print(f"fanroute train: {exc}", file=sys.stderr)
         return 1
     except FanrouteError as exc:

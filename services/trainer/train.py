@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,10 @@ class Publisher(Protocol):
     """Anything that can publish a finished adapter (e.g. services.publisher.client.PublisherClient)."""
 
     def publish(self, model_id: str, adapter_dir: Path, base_model: str, metrics: dict) -> dict: ...
+
+
+class DivergedError(FanrouteError, FloatingPointError):
+    """The loss or the gradient norm stopped being a finite number: nothing is saved or published."""
 
 
 class PublishError(FanrouteError, RuntimeError):
@@ -223,11 +228,12 @@ def build_model(plan: Plan, out: Out) -> Any:
     """The base model with a trainable LoRA adapter (fresh, seeded; or loaded from init_adapter)."""
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForCausalLM
+
+    from services.models.load import load_causal_lm
 
     s = plan.settings
     torch.manual_seed(s.seed)
-    base = AutoModelForCausalLM.from_pretrained(plan.base_dir, dtype=torch.float32)
+    base = load_causal_lm(plan.base_dir, torch.float32)
     if s.init_adapter is not None:
         if not (s.init_adapter / "adapter_config.json").is_file():
             raise ConfigError(f"init_adapter {s.init_adapter} is not a peft adapter directory (no adapter_config.json)")
@@ -398,6 +404,9 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
         out(f"step {step}/{plan.steps} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} lr {rec['lr']:.2e} "
             f"tok/s {rec['tokens_per_s']:.0f} nonpad {rec['nonpad_fraction']:.2f} "
             f"({rec['step_time_s']:.2f}s, {rec['epoch']:.2f} of a pass)")
+        if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
+            raise DivergedError(f"step {step}: loss {rec['loss']} / grad norm {rec['grad_norm']} is not finite; "
+                                f"stopped without saving or publishing (metrics in {output_dir / 'metrics.jsonl'})")
         if s.checkpoint_every and step % s.checkpoint_every == 0 and step < plan.steps:
             save(step)
         if s.eval_every and step % s.eval_every == 0 and step < plan.steps:

@@ -414,3 +414,34 @@ def test_default_reward_is_the_primary_one_not_the_first_by_name():
     assert [c.name for c in ep.rewards][0].startswith("ndcg:alpha-judge")  # sorts first...
     assert reward_of(ep, None).name == "ndcg:zeta-judge:rubric-1"  # ...but the primary one is chosen
     assert episode_judge(ep, None).judge_model == "zeta-judge"
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_before_saving(make_settings, monkeypatch) -> None:
+    import services.trainer.train as train_mod
+
+    real_step = train_mod._train_step
+
+    def nan_on_second(*args, **kwargs):
+        rec = real_step(*args, **kwargs)
+        nan_on_second.calls += 1
+        return {**rec, "grad_norm": float("inf")} if nan_on_second.calls == 2 else rec
+
+    nan_on_second.calls = 0
+    monkeypatch.setattr(train_mod, "_train_step", nan_on_second)
+    settings = make_settings([episode(i) for i in range(8)], max_steps=4)
+    with pytest.raises(train_mod.DivergedError, match="step 2"):
+        train_mod.train(settings)
+    assert not (settings.output_dir / "adapter").exists()
+
+
+def test_an_untied_output_layer_is_tied_again_on_load(tiny: Path) -> None:
+    import torch
+
+    from services.models.load import ensure_tied, load_causal_lm
+
+    model = load_causal_lm(tiny, torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    model.get_output_embeddings().weight = torch.nn.Parameter(torch.zeros_like(model.get_input_embeddings().weight))
+    assert ensure_tied(model) is True
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert ensure_tied(model) is False

@@ -1,0 +1,52 @@
+"""The demo's own logic: the held-out split, the routed-traffic summary, and its CLI refusals."""
+
+from __future__ import annotations
+
+import json
+
+from schemas.trace import Route
+from services.cli import main
+from services.tools.demo_loop import held_out, render_routed, split
+from tests.eval_fakes import adi, adi_trace, episode, make_trace
+
+
+def test_held_out_is_deterministic_and_about_the_fraction():
+    ids = [f"cranfield/{i}" for i in range(4000)]
+    share = sum(held_out(q, 0.3) for q in ids) / len(ids)
+    assert 0.27 < share < 0.33
+    assert [held_out(q, 0.3) for q in ids] == [held_out(q, 0.3) for q in ids]
+    assert not any(held_out(q, 0.0) for q in ids) and all(held_out(q, 1.0) for q in ids)
+
+
+def test_split_never_trains_on_a_held_out_query(tmp_path):
+    queries, _, _ = adi()
+    traces = [adi_trace(q) for q in sorted(queries, key=int)]
+    episodes = [episode(t.query, "good > cheap = flaky", ["good", "cheap", "flaky"], ep_id=f"e-{t.trace_id}")
+                .model_copy(update={"trace_id": t.trace_id}) for t in traces]
+    data = split(traces, episodes, 0.3, tmp_path)
+    held = {t.query for t in data.held_out}
+    trained = [json.loads(line)["messages"][1]["content"] for line in data.train_file.read_text().splitlines()]
+    assert held and trained and not held & set(trained)
+    assert data.n_train + len(data.held_out) == len(traces)
+    assert len(data.traces_file.read_text().splitlines()) == len(data.held_out)
+
+
+def test_render_routed_separates_slice_router_and_fallbacks():
+    qid = sorted(adi()[0], key=int)[0]
+    fan = adi_trace(qid)
+    good, cheap = fan.candidates[0], fan.candidates[1]
+    routed = make_trace("r1", [good], query=fan.query, query_id=fan.query_id, mode="routed")
+    fallback = routed.model_copy(update={
+        "trace_id": "r2", "router_version": None, "candidates": (cheap,),
+        "route": Route(called=("cheap",), fallback="no_adapter", fallback_provider="cheap")})
+    lines = render_routed([fan, routed, fallback]).splitlines()
+    rows = {line.split("  ")[0].strip(): line.split() for line in lines[1:]}
+    assert set(rows) == {"fan-out slice", "router router@1", "fallback (no_adapter)"}
+    assert rows["fan-out slice"][-2] == "3.00"  # every provider was called
+    assert float(rows["router router@1"][-1]) > float(rows["fallback (no_adapter)"][-1])  # good beats cheap
+
+
+def test_demo_refuses_bad_arguments(capsys):
+    assert main(["demo", "--queries", "3"]) == 2
+    assert main(["demo", "--held-out", "0.99"]) == 2
+    assert "--held-out" in capsys.readouterr().err
