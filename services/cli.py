@@ -18,8 +18,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "evaluate, promote if better, route")
     d.add_argument("--queries", type=int, default=None,
                    help="how many development queries to replay (default: all 677 judged ones)")
-    d.add_argument("--rate", type=float, default=20.0, help="fan-out requests per second")
-    d.add_argument("--concurrency", type=int, default=16, help="fan-out requests in flight at most")
+    d.add_argument("--rate", type=float, default=8.0, help="fan-out requests per second")
+    d.add_argument("--concurrency", type=int, default=8, help="fan-out requests in flight at most")
     d.add_argument("--seed", type=int, default=0, help="query sampling seed")
     d.add_argument("--held-out", type=float, default=0.3,
                    help="share of queries (by hash of the query id) the student never trains on")

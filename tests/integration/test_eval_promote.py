@@ -10,15 +10,14 @@ evidence beside the manifest.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import socket
 import uuid
 from datetime import UTC, datetime, timedelta
 
 import httpx
 import pytest
 import redis.asyncio as aioredis
-import uvicorn
 
 from schemas import AdapterPublished, topic
 from schemas.base import decode
@@ -33,27 +32,12 @@ from services.publisher.settings import PublisherSettings
 from services.publisher.store import parse_promoted, promoted_key
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
+from services.tools.serving import free_port, served
 from tests.tiny_lm import build_lora_adapter
 from tests.tiny_model import build_tiny_model
 from tests.eval_fakes import adi, adi_trace, episode, write_jsonl
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _serve(app, port: int) -> tuple[uvicorn.Server, asyncio.Task]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(120):
-        while not server.started:
-            assert not task.done(), "server failed to start"
-            await asyncio.sleep(0.05)
-    return server, task
 
 
 async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypatch, capsys):
@@ -78,13 +62,15 @@ async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypat
     base = build_tiny_model(tmp_path / "base")
     adapters = [build_lora_adapter(base, tmp_path / f"adapter{v}", seed=v) for v in (1, 2)]
 
-    pport, sport = _port(), _port()
-    purl, surl = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{sport}"
-    pub, pub_task = await _serve(publisher_app(PublisherSettings(
-        kafka=kafka, redis=redis, port=pport, storage_dir=tmp_path / "store", public_url=purl)), pport)
-    samp, samp_task = await _serve(sampler_app(SamplerSettings(
+    pport, sport = free_port(), free_port()
+    purl = f"http://127.0.0.1:{pport}"
+    services = contextlib.AsyncExitStack()
+    await services.enter_async_context(served(publisher_app(PublisherSettings(
+        kafka=kafka, redis=redis, port=pport, storage_dir=tmp_path / "store", public_url=purl)), pport,
+        what="publisher", start_timeout_s=120))
+    surl = await services.enter_async_context(served(sampler_app(SamplerSettings(
         kafka=kafka, redis=redis, port=sport, base_model=str(base), adapter_cache_dir=tmp_path / "cache",
-        publisher_url=purl, group_id=f"sampler-{ns}")), sport)
+        publisher_url=purl, group_id=f"sampler-{ns}")), sport, what="sampler", start_timeout_s=120))
     r = aioredis.Redis.from_url(redis_url)
     try:
         def publish_and_deploy_v1() -> None:
@@ -149,6 +135,4 @@ async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypat
             (1, True, "cheap"), (2, True, "cheap")]
     finally:
         await r.aclose()
-        samp.should_exit = True
-        pub.should_exit = True
-        await asyncio.gather(samp_task, pub_task)
+        await services.aclose()

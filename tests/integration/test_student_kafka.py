@@ -5,14 +5,13 @@ ids and logprobs match a direct transformers forward pass of the same adapter.""
 from __future__ import annotations
 
 import asyncio
-import socket
+import contextlib
 import time
 import uuid
 from datetime import UTC, datetime
 
 import httpx
 import pytest
-import uvicorn
 
 from schemas import topic
 from services.common.bus import Bus
@@ -25,27 +24,12 @@ from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
+from services.tools.serving import free_port, served
 from tests.episode_fakes import verdict_for
 from tests.judge_fakes import judged_trace
 from tests.tiny_lm import build_tiny_lm
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def _serve(app, port: int) -> tuple[uvicorn.Server, asyncio.Task]:
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    async with asyncio.timeout(120):
-        while not server.started:
-            assert not task.done(), "server failed to start"
-            await asyncio.sleep(0.05)
-    return server, task
 
 
 async def _until(fn, timeout_s: float, what: str):
@@ -83,14 +67,17 @@ async def test_episodes_to_a_served_adapter(kafka_bootstrap, redis_url, tmp_path
     finally:
         await bus.stop()
     as_of = datetime.now(UTC)
-    pport, sport = _port(), _port()
+    pport, sport = free_port(), free_port()
     pub_settings = PublisherSettings(kafka=kafka, redis=redis, port=pport, storage_dir=tmp_path / "store",
                                      public_url=f"http://127.0.0.1:{pport}")
     samp_settings = SamplerSettings(kafka=kafka, redis=redis, port=sport, base_model=str(base),
                                     adapter_cache_dir=tmp_path / "cache", publisher_url=f"http://127.0.0.1:{pport}",
                                     group_id="sampler-test")
-    pub, pub_task = await _serve(publisher_app(pub_settings), pport)
-    samp, samp_task = await _serve(sampler_app(samp_settings), sport)
+    services = contextlib.AsyncExitStack()
+    await services.enter_async_context(served(publisher_app(pub_settings), pport, what="publisher",
+                                              start_timeout_s=120))
+    await services.enter_async_context(served(sampler_app(samp_settings), sport, what="sampler",
+                                              start_timeout_s=120))
     try:
         settings = TrainerSettings(kafka=kafka, redis=redis, base_model=str(base), output_dir=tmp_path / "run",
                                    as_of=as_of, allow_uncalibrated=True, max_steps=3, batch_size=2,
@@ -117,9 +104,7 @@ async def test_episodes_to_a_served_adapter(kafka_bootstrap, redis_url, tmp_path
         stamp, adapter = await asyncio.to_thread(fetch)
         assert stamp == 1  # the Redis version stamp moved
     finally:
-        samp.should_exit = True
-        pub.should_exit = True
-        await asyncio.gather(samp_task, pub_task)
+        await services.aclose()
     direct = _direct_logprobs(base, adapter, list(prompt_ids) + list(out_ids), len(prompt_ids))
     assert len(out_ids) == len(served_logprobs) == len(direct) > 0
     assert served_logprobs == pytest.approx(direct, abs=1e-4)
