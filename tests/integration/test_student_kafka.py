@@ -86,10 +86,10 @@ async def test_episodes_to_a_served_adapter(kafka_bootstrap, redis_url, tmp_path
         result = await asyncio.to_thread(train, settings)
         assert result.trained
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{sport}", timeout=60) as client:
-            async def served():
+            async def loaded():
                 ids = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
                 return "router@1" in ids
-            await _until(served, 120, "the sampler to pull and load router@1")
+            await _until(loaded, 120, "the sampler to pull and load router@1")
             r = await client.post("/v1/completions", json={
                 "model": "router@1", "prompt": "which provider for boundary layers?", "max_tokens": 6,
                 "temperature": 0, "logprobs": 1, "return_token_ids": True})
