@@ -100,6 +100,10 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
                                                            gateway_settings.providers, out_dir, opts)
             print(f"[{step + 2}/{steps}] routed traffic: the gateway in routed mode over the held-out queries",
                   flush=True)
+            if not decision.promoted:
+                print(f"      {candidate} was not promoted and nothing was before it: outside the fan-out slice the "
+                      f"best single provider ({report.inputs.best_single.provider}) answers, counted as "
+                      "no_adapter fallbacks", flush=True)
             code = await _routed_traffic(kafka, redis, gateway_settings, sampler_url, report, data, opts)
     print(f"\nresult: {candidate} {'PROMOTED' if decision.promoted else 'not promoted'}; the evaluation table:")
     from services.evaluate.report import render
