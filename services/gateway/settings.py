@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import tomllib
 from pathlib import Path
@@ -58,13 +59,15 @@ class RoutingSettings(BaseModel):
     poll_s: float = Field(default=5.0, gt=0, le=3600,
                           description="Redis poll interval for the promoted version (backstop to the topic)")
     group_id: str | None = Field(default=None, min_length=1, max_length=128,
-                                 description="Consumer group on the adapters topic; default one per host, "
+                                 description="Consumer group on the adapters topic; default one per process, "
                                              "since every replica must see every promotion")
 
     @property
     def consumer_group(self) -> str:
-        """``group_id``, or ``fanroute-gateway.<hostname>`` so that each replica sees every promotion."""
-        return self.group_id or f"fanroute-gateway.{socket.gethostname()}"
+        """``group_id``, or one per process (``fanroute-gateway.<host>.<pid>``): every gateway sees every
+        promotion even with several on one host, and a restarted one starts at the end of the topic
+        (what it missed comes from Redis) instead of replaying old promotions it missed."""
+        return self.group_id or f"fanroute-gateway.{socket.gethostname()}.{os.getpid()}"
 
 
 class GatewaySettings(ServiceSettings):
