@@ -1,8 +1,9 @@
-"""HTTP pieces every FastAPI service shares: the error body and the request-body limit."""
+"""HTTP pieces every FastAPI service shares: the error body, the request-body limit, the lifespan."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -11,6 +12,20 @@ from fastapi.responses import JSONResponse
 def error(status: int, kind: str, reason: str) -> JSONResponse:
     """The one error body of fanroute's HTTP APIs: ``{"error": kind, "reason": ...}``."""
     return JSONResponse({"error": kind, "reason": reason}, status_code=status)
+
+
+def lifespan_of(service: Any) -> Callable[[Any], Any]:
+    """A FastAPI lifespan: ``await service.start()`` before serving, ``await service.stop()`` after."""
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    return lifespan
 
 
 class BodyLimit:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -40,3 +40,8 @@ class ServiceSettings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis connection")
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
                            description="Root log level")
+
+
+def secret_value(secret: SecretStr | None) -> str | None:
+    """The secret's text, or None when it is unset or empty (an API key that is not there)."""
+    return (secret.get_secret_value() if secret is not None else "") or None

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 from collections.abc import Sequence
 
-import aiohttp
-
 from schemas.trace import Trace
 from services.evaluate.inputs import EvalInputError
 from services.evaluate.policies import RouterCall
-from services.router.client import RouterClient, RouterError, chat_request
+from services.router.client import RouterClient, RouterError, RouterUnparseable
 
 _SERVED = re.compile(r"^(?P<model_id>[^@\s]+)(?:@(?P<version>\d+))?$")
 #: Generous: a sampler fetches an adapter it does not hold yet from the publisher before answering.
@@ -30,26 +27,17 @@ def split_served_name(name: str) -> tuple[str, int | None]:
 
 async def probe(router_url: str, model: str, providers: Sequence[str], query: str) -> None:
     """One 1-token request: an unknown adapter (the server's 404) or an unreachable server is bad input."""
-    url = f"{router_url.rstrip('/')}/v1/chat/completions"
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)) as session:
-            async with session.post(url, json=chat_request(model, providers, query, 1)) as r:
-                status, body = r.status, await r.read()
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise EvalInputError(f"router server unreachable at {router_url}: {type(exc).__name__}: {exc}") from exc
-    if status == 404:
-        raise EvalInputError(f"the router server at {router_url} does not serve {model!r} (404): {_reason(body)}")
-
-
-def _reason(body: bytes) -> str:
-    """The error text of an OpenAI/vLLM (``error.message``) or fanroute (``reason``/``message``) error body."""
-    try:
-        data = json.loads(body)
-        err = data.get("error")
-        text = err.get("message") if isinstance(err, dict) else data.get("reason") or data.get("message")
-    except (ValueError, AttributeError):
-        text = None
-    return str(text) if text else body[:300].decode(errors="replace")
+    async with RouterClient(router_url, timeout_s=PROBE_TIMEOUT_S, max_tokens=1) as client:
+        try:
+            await client.route(model, providers, query)
+        except RouterUnparseable:
+            return  # one token names no provider: the adapter is there, which is all this asks
+        except RouterError as exc:
+            if exc.status is None:
+                raise EvalInputError(f"router server unreachable at {router_url}: {exc}") from exc
+            if exc.status == 404:
+                raise EvalInputError(f"the router server at {router_url} does not serve {model!r} (404): "
+                                     f"{exc}") from exc
 
 
 async def ask_all(client: RouterClient, model: str, traces: Sequence[Trace], *, concurrency: int = 1,

@@ -7,8 +7,7 @@ import asyncio
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -21,7 +20,8 @@ from schemas.topics import topic
 from schemas.trace import Candidate, Route, Signals, Trace
 from services.common.bus import Bus
 from services.common.errors import BusError
-from services.common.http import BodyLimit
+from services.common.http import BodyLimit, lifespan_of
+from services.common.http import error as error_response
 from services.gateway.fanout import fan_out_trace
 from services.gateway.fusion import FusedResult, rrf
 from services.gateway.metrics import GatewayMetrics
@@ -156,15 +156,7 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
     """The FastAPI app; the gateway starts (indexes, Kafka) in the lifespan, before serving."""
     gw = gateway or build_gateway(settings)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await gw.start()
-        try:
-            yield
-        finally:
-            await gw.stop()
-
-    app = FastAPI(title="fanroute gateway", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="fanroute gateway", version="0.1.0", lifespan=lifespan_of(gw),
                   description="Fans each query out to every search provider (or to the one the router "
                               "picks, in routed mode) and records a trace.")
     app.state.gateway = gw
@@ -177,7 +169,7 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
         gw.metrics.rejected.labels("invalid").inc()
         reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
                            for e in errors[:5])
-        return _error(422, "invalid_request", reason)
+        return error_response(422, "invalid_request", reason)
 
     @app.post("/v1/search", response_model=SearchResponse,
               responses={413: {"description": "Body or query too large"},
@@ -186,10 +178,10 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
         query = " ".join(req.query.split())
         if not query:
             gw.metrics.rejected.labels("empty_query").inc()
-            return _error(422, "invalid_request", "query: must not be empty or only whitespace")
+            return error_response(422, "invalid_request", "query: must not be empty or only whitespace")
         if len(query) > settings.max_query_chars:
             gw.metrics.rejected.labels("query_too_long").inc()
-            return _error(413, "query_too_long",
+            return error_response(413, "query_too_long",
                           f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
         t0 = time.perf_counter()
         result, published, answer_ms = await gw.search(req, query)
@@ -226,6 +218,3 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
 
     return app
 
-
-def _error(status: int, error: str, reason: str) -> JSONResponse:
-    return JSONResponse({"error": error, "reason": reason}, status_code=status)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any, AsyncIterator
 
@@ -23,7 +22,8 @@ from schemas.adapter import AdapterPublished
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import BusError
-from services.common.http import BodyLimit
+from services.common.http import BodyLimit, lifespan_of
+from services.common.http import error as error_response
 from services.publisher.settings import PublisherSettings
 from services.publisher.store import (
     MODEL_ID_PATTERN, BlobStore, Manifest, ManifestStore, MissingBlobs, NotFound, PublisherError,
@@ -211,15 +211,7 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
     pub = publisher or Publisher(settings, Bus(settings.kafka, client_id="fanroute-publisher"),
                                  stamp_store(settings.redis.url, settings.kafka.topic_namespace))
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await pub.start()
-        try:
-            yield
-        finally:
-            await pub.stop()
-
-    app = FastAPI(title="fanroute publisher", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="fanroute publisher", version="0.1.0", lifespan=lifespan_of(pub),
                   description="Serves LoRA adapter files by content hash and announces versions.")
     app.state.publisher = pub
     app.add_middleware(BodyLimit, default=settings.max_json_bytes, prefixes={"/v1/blobs/": settings.max_blob_bytes},
@@ -228,19 +220,19 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
     @app.exception_handler(PublisherError)
     async def _refused(request: Request, exc: PublisherError) -> JSONResponse:
         pub.metrics.rejected.labels(exc.error).inc()
-        return _error(exc.status, exc.error, str(exc))
+        return error_response(exc.status, exc.error, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = "not_found" if exc.status_code == 404 else f"http_{exc.status_code}"
-        return _error(exc.status_code, error, f"{request.method} {request.url.path}: {exc.detail}")
+        return error_response(exc.status_code, error, f"{request.method} {request.url.path}: {exc.detail}")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         pub.metrics.rejected.labels("invalid_request").inc()
         reason = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
                            for e in exc.errors()[:5])
-        return _error(422, "invalid_request", reason)
+        return error_response(422, "invalid_request", reason)
 
     @app.put("/v1/blobs/{sha256}", status_code=201, responses={
         200: {"description": "Already stored"}, 400: {"description": "Body does not hash to the path"},
@@ -331,6 +323,3 @@ def _file(path: Any) -> FileResponse:
         raise NotFound(f"no blob {path.name}")
     return FileResponse(path, media_type="application/octet-stream")
 
-
-def _error(status: int, error: str, reason: str) -> JSONResponse:
-    return JSONResponse({"error": error, "reason": reason}, status_code=status)

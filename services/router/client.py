@@ -27,9 +27,10 @@ class RouterError(FanrouteError, RuntimeError):
 
     kind = "router_error"
 
-    def __init__(self, message: str, *, raw: str = "") -> None:
+    def __init__(self, message: str, *, raw: str = "", status: int | None = None) -> None:
         super().__init__(message)
         self.raw = raw  # the reply text, when there was one (an unparseable answer)
+        self.status = status  # the HTTP status, when the server answered at all
 
 
 class RouterTimeout(RouterError, TimeoutError):
@@ -123,12 +124,23 @@ class RouterClient:
 def _content(model: str, status: int, body: bytes) -> str:
     """The first choice's message text, or a RouterError that says what came back instead."""
     if status != 200:
-        raise RouterError(f"router {model}: HTTP {status}: {body[:300].decode(errors='replace')}")
+        raise RouterError(f"router {model}: HTTP {status}: {error_reason(body)}", status=status)
     try:
         content = json.loads(body)["choices"][0]["message"]["content"]
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         raise RouterError(f"router {model}: not a chat completion ({type(exc).__name__}): "
-                          f"{body[:200].decode(errors='replace')}") from exc
+                          f"{body[:200].decode(errors='replace')}", status=status) from exc
     if not isinstance(content, str):
-        raise RouterError(f"router {model}: message content is {type(content).__name__}, not text")
+        raise RouterError(f"router {model}: message content is {type(content).__name__}, not text", status=status)
     return content
+
+
+def error_reason(body: bytes) -> str:
+    """The text of an OpenAI/vLLM (``error.message`` or ``message``) or fanroute (``reason``) error body."""
+    try:
+        data = json.loads(body)
+        err = data.get("error")
+        text = err.get("message") if isinstance(err, dict) else data.get("reason") or data.get("message") or err
+    except (ValueError, AttributeError):
+        text = None
+    return str(text) if text else body[:300].decode(errors="replace")

@@ -12,11 +12,19 @@ def in_fanout_slice(key: str, fraction: float) -> bool:
     A hash, not a random draw: a retried request lands on the same side, and the slice is the same
     set of queries on every gateway replica.
     """
+    return in_hashed_share(key, fraction, salt="fanroute-slice")
+
+
+def in_hashed_share(key: str, fraction: float, *, salt: str) -> bool:
+    """True for a deterministic ``fraction`` of keys: sha256 of ``salt:key`` as a point in [0, 1).
+
+    Different salts give independent splits (the fan-out slice, the demo's held-out queries).
+    """
     if fraction <= 0.0:
         return False
     if fraction >= 1.0:
         return True
-    bucket = int.from_bytes(hashlib.sha256(b"fanroute-slice:" + key.encode()).digest()[:8], "big")
+    bucket = int.from_bytes(hashlib.sha256(f"{salt}:{key}".encode()).digest()[:8], "big")
     return bucket < fraction * 2**64
 
 

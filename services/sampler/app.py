@@ -13,9 +13,8 @@ import asyncio
 import logging
 import time
 import uuid
-from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -27,7 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import FanrouteError
-from services.common.http import BodyLimit
+from services.common.http import BodyLimit, lifespan_of
 from services.sampler.engine import Engine, Generation, PromptError, SamplingParams
 from services.sampler.registry import (AdapterEntry, AdapterError, AdapterRegistry, AdapterUnavailable,
                                        check_adapter_dir, parse_versioned)
@@ -479,15 +478,7 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
     """The FastAPI app; the model loads and the adapters consumer starts in the lifespan, before serving."""
     s = sampler or Sampler(settings)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await s.start()
-        try:
-            yield
-        finally:
-            await s.stop()
-
-    app = FastAPI(title="fanroute sampler", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="fanroute sampler", version="0.1.0", lifespan=lifespan_of(s),
                   description="vLLM-compatible completions with token ids, logprobs and runtime LoRA, on CPU.")
     app.state.sampler = s
 

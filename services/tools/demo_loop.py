@@ -8,7 +8,6 @@ Redis from the local stack); only the orchestration is demo-specific.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import shutil
 from collections import Counter
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from schemas.episode import Episode
 from schemas.trace import Trace
 from services.common.settings import KafkaSettings, RedisSettings
 from services.episodes.dataset import write_jsonl
+from services.router.policy import in_hashed_share
 from services.tools.serving import free_port, served
 
 MODEL_ID = "router"
@@ -55,8 +55,7 @@ class Split:
 
 def held_out(query_id: str, fraction: float) -> bool:
     """Deterministic held-out membership by hash of the query id (same split on every run)."""
-    h = int.from_bytes(hashlib.sha256(b"fanroute-heldout:" + query_id.encode()).digest()[:8], "big")
-    return h < fraction * 2**64
+    return in_hashed_share(query_id, fraction, salt="fanroute-heldout")
 
 
 def split(traces: list[Trace], episodes: list[Episode], fraction: float, out_dir: Path) -> Split:
@@ -130,14 +129,13 @@ def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publish
 async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_url: str, sampler_url: str,
                                 providers, out_dir: Path, opts: LoopOptions):
     """``fanroute eval`` then ``fanroute promote`` in-process; writes eval.json, the plot and decision.json."""
-    from services.common.settings import RedisSettings as _Redis
     from services.evaluate.promote import decide, evidence, render as render_decision, write_decision
     from services.evaluate.report import write_json, write_plot
     from services.evaluate.run import EvalOptions, run_eval
     from services.judge.settings import JudgeSettings
     from services.publisher.client import PublisherClient
 
-    judge = JudgeSettings(kafka=kafka, redis=_Redis(url="memory://"), providers=providers)
+    judge = JudgeSettings(kafka=kafka, redis=RedisSettings(url="memory://"), providers=providers)
     report = await run_eval(EvalOptions(
         train_episodes=data.train_file, candidate=candidate, deployed="auto", publisher_url=publisher_url,
         router_url=sampler_url, traces_file=data.traces_file, router_timeout_s=opts.router_timeout_s,

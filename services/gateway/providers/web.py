@@ -40,6 +40,7 @@ from services.common.errors import (
     ProviderRateLimited,
     ProviderTimeout,
 )
+from services.common.settings import secret_value
 from services.gateway.providers.base import Provider, ProviderAnswer, build_answer
 from services.gateway.providers.config import (
     BraveConfig,
@@ -192,8 +193,7 @@ class _HttpProvider(Provider):
 
     @property
     def _key(self) -> str | None:
-        secret = self.config.api_key.get_secret_value() if self.config.api_key else ""
-        return secret or None
+        return secret_value(self.config.api_key)
 
     async def start(self) -> None:
         """Open the HTTP client once; a missing key or an unusable base URL is a config error."""

@@ -26,6 +26,7 @@ import aiohttp
 from yarl import URL
 
 from services.common.errors import ConfigError
+from services.common.settings import secret_value
 from services.gateway.providers.web import _redact, _retry_after_s
 from services.judge.base import JudgeBackend, JudgeFailed, JudgeIdentity, JudgeRequest, JudgeResult
 from services.judge.parse import parse_judgement
@@ -108,8 +109,7 @@ class _HttpJudge(JudgeBackend):
 
     @property
     def _key(self) -> str | None:
-        secret = self.config.api_key.get_secret_value() if self.config.api_key else ""
-        return secret or None
+        return secret_value(self.config.api_key)
 
     async def start(self) -> None:
         """Open the HTTP client once; a missing required key is a config error."""
