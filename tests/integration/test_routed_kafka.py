@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from schemas import Trace, topic
+from schemas import AdapterPublished, Trace, topic
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from services.common.bus import Bus
 from services.common.replay_topic import read_messages
@@ -160,6 +160,16 @@ async def test_routed_mode_end_to_end(kafka_bootstrap, redis_url, tmp_path, capl
         finally:
             await gw.stop()
 
+        # garbage on the adapters topic and another model's promotion do not derail a replay
+        raw = Bus(kafka)
+        await raw.start((topic("adapters"),))
+        try:
+            await raw.publish_raw(raw.name(topic("adapters")), b"{not json", key=b"router", headers={})
+            await raw.publish(topic("adapters"), AdapterPublished(
+                model_id="other", version=9, base_model="tiny", url="http://pub/other/9", files_sha256={},
+                published_at=datetime.now(UTC), promoted=True))
+        finally:
+            await raw.stop()
         # a replica that starts with Redis empty replays the topic: the latest promotion is v2
         fresh = PromotedFollower("router", Bus(kafka), stamps=None, poll_s=300.0, group_id="unused")
         await fresh.start()

@@ -11,7 +11,7 @@ from schemas import AdapterPublished, topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings
 from services.gateway.follow import Promoted, PromotedFollower
-from services.publisher.store import MemoryStampStore
+from services.publisher.store import MemoryStampStore, parse_promoted
 
 
 def announcement(version: int, *, promoted: bool = True, model_id: str = "router",
@@ -19,6 +19,13 @@ def announcement(version: int, *, promoted: bool = True, model_id: str = "router
     return AdapterPublished(model_id=model_id, version=version, base_model="tiny", url=f"http://pub/v{version}",
                             files_sha256={}, published_at=datetime.now(UTC), promoted=promoted,
                             fallback_provider=fallback_provider)
+
+
+class GarbledStamps(MemoryStampStore):
+    """A promoted key whose value someone overwrote with something that is not its JSON."""
+
+    async def promoted(self, model_id: str):
+        return parse_promoted(b"router@3, please")
 
 
 class BrokenStamps(MemoryStampStore):
@@ -101,3 +108,12 @@ async def test_redis_down_at_start_is_a_warning_not_a_failure(follow, caplog):
     await follower.poll_once()  # the poll survives it too
     await bus.publish(topic("adapters"), announcement(1))
     await follower.wait_for(at(1), 5)
+
+
+async def test_a_garbled_promoted_key_is_a_warning_and_keeps_what_is_followed(follow, caplog):
+    follower, bus, _ = await follow(GarbledStamps())
+    assert follower.current is None and "cannot read the promoted version" in caplog.text
+    await bus.publish(topic("adapters"), announcement(2))
+    await follower.wait_for(at(2), 5)
+    await follower.poll_once()  # the garbled key does not undo what the topic delivered
+    assert follower.current.version == 2
