@@ -1,9 +1,9 @@
 """Load a causal LM for training or serving, with its tied output layer checked.
 
 A model whose config ties the output layer to the input embeddings (SmolLM2 does) stores one
-matrix. Once in a demo run the loader reported ``lm_head.weight`` as MISSING and left it freshly
-initialised: the loss sat at ln(vocab) and the gradients were inf. We did not find the cause, so
-every load checks the tie and restores it, loudly.
+matrix. A concurrent model load elsewhere in the process once disabled transformers' tying for
+good (see :mod:`services.common.hf`, which now serialises loads); every load still checks the tie
+and restores it, loudly, as a second line.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ def load_causal_lm(path: str | Path, dtype: Any) -> Any:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with :func:`ensure_tied` applied."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    from services.common.hf import model_loading
+
+    with model_loading():
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     ensure_tied(model)
     return model
 

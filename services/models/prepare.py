@@ -55,7 +55,11 @@ def is_prepared(path: Path) -> bool:
 
 def prepare_base(cache_dir: Path | None = None, *, force: bool = False,
                  progress: Callable[[str], None] = print) -> Path:
-    """The prepared safetensors copy of the embedded GGUF (built once, atomically; skipped if present)."""
+    """The prepared safetensors copy of the embedded GGUF (built once, atomically; skipped if present).
+
+    The copy is verified before it is moved into place: its output layer is its input embedding
+    (SmolLM2 ties them) and, reloaded from disk, it gives the GGUF-loaded model's logits on a probe.
+    """
     target = Path(cache_dir) if cache_dir is not None else default_base_dir()
     if is_prepared(target) and not force:
         progress(f"{DEFAULT_BASE}: already prepared at {target}")
@@ -64,23 +68,70 @@ def prepare_base(cache_dir: Path | None = None, *, force: bool = False,
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from services.common.hf import model_loading
+
     t0 = time.monotonic()
     progress(f"{DEFAULT_BASE}: loading {source.name} (dequantizing to float32, about 20 s)")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
-    if hasattr(config, "quantization_config"):
-        delattr(config, "quantization_config")
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with model_loading():
+        loaded = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        check_weights(loaded)
+        # transformers will not save a model it loaded from a GGUF: copy the (now float32) weights
+        # into a plain model built from the same config, without the quantization entry
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
+    check_weights(plain)
     progress(f"{DEFAULT_BASE}: loaded in {time.monotonic() - t0:.1f}s; writing safetensors")
     target.parent.mkdir(parents=True, exist_ok=True)
     with atomic_dir(target) as tmp:
         plain.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-    progress(f"{DEFAULT_BASE}: prepared at {target} in {time.monotonic() - t0:.1f}s")
+        diff = check_probe(loaded, tmp, tokenizer)
+    progress(f"{DEFAULT_BASE}: prepared at {target} in {time.monotonic() - t0:.1f}s "
+             f"(output layer tied; probe logits within {diff:.1e} of the GGUF load)")
     return target
+
+
+class PrepareError(ConfigError):
+    """The prepared copy is not the GGUF's model (an untied or uninitialised layer, other logits)."""
+
+
+def check_weights(model) -> None:
+    """Refuse a model with a parameter left on the meta device or an untied output layer its config ties."""
+    meta = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if meta:
+        raise PrepareError(f"{len(meta)} parameter(s) have no data after loading, e.g. {meta[0]}")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "tie_word_embeddings", False):
+        out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+        if out.weight.data_ptr() != inp.weight.data_ptr():
+            raise PrepareError("the config ties the output layer to the input embedding, but the loaded "
+                               "model's lm_head is a separate matrix")
+
+
+PROBE = "Which search provider should answer a query about boundary layers in supersonic flow?"
+PROBE_TOLERANCE = 1e-4
+
+
+def check_probe(reference, directory: Path, tokenizer) -> float:
+    """Reload ``directory`` and compare its logits with ``reference``'s on :data:`PROBE`; the max |diff|."""
+    import torch
+
+    from services.models.load import load_causal_lm
+
+    copy = load_causal_lm(directory, torch.float32)
+    check_weights(copy)
+    ids = tokenizer(PROBE, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        diff = float((reference(ids).logits - copy(ids).logits).abs().max())
+    if not diff <= PROBE_TOLERANCE:
+        raise PrepareError(f"the prepared copy's logits differ from the GGUF load's by {diff:.3g} on the probe "
+                           f"(tolerance {PROBE_TOLERANCE:g})")
+    return diff
 
 
 def resolve_base(spec: str, *, prepare: bool = True) -> Path:

@@ -47,8 +47,11 @@ def export_merged(base_model_dir: Path, adapter_dir: Path, out_dir: Path, *, dty
         raise FileExistsError(f"{out_dir} exists; export into a new directory")
     load_kw = _gguf_kwargs(base_model_dir)
     source = base_model_dir.parent if "gguf_file" in load_kw else base_model_dir
-    base = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **load_kw)
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
+    from services.common.hf import model_loading
+
+    with model_loading():
+        base = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **load_kw)
+        merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))
     try:

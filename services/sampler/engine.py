@@ -126,8 +126,10 @@ class Engine:
         """Load the LoRA adapter in ``path`` into ``slot``; a failure leaves no half-loaded slot behind."""
         from peft import PeftModel
 
+        from services.common.hf import model_loading
+
         t0 = time.perf_counter()
-        with self.lock, warnings.catch_warnings():
+        with self.lock, model_loading(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft warns on every extra adapter: that is the point here
             try:
                 if self._peft is None:

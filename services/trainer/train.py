@@ -238,7 +238,10 @@ def build_model(plan: Plan, out: Out) -> Any:
         if not (s.init_adapter / "adapter_config.json").is_file():
             raise ConfigError(f"init_adapter {s.init_adapter} is not a peft adapter directory (no adapter_config.json)")
         out(f"starting from adapter {s.init_adapter} (its LoRA shape replaces the lora settings)")
-        model = PeftModel.from_pretrained(base, s.init_adapter, is_trainable=True)
+        from services.common.hf import model_loading
+
+        with model_loading():
+            model = PeftModel.from_pretrained(base, s.init_adapter, is_trainable=True)
     else:
         cfg = LoraConfig(r=s.lora.r, lora_alpha=s.lora.alpha, lora_dropout=s.lora.dropout,
                          target_modules=list(s.lora.target_modules), task_type="CAUSAL_LM")

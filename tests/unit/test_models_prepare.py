@@ -67,11 +67,20 @@ def test_prepare_converts_the_gguf(tmp_path: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = prepare.prepare_base(tmp_path / "smol", progress=lambda line: None)
+    from tests.unit.test_model_loading import poison
+
+    poison()  # as a racing load in the demo's gateway left the process: tying disabled
+    said: list[str] = []
+    target = prepare.prepare_base(tmp_path / "smol", progress=said.append)
+    assert "output layer tied; probe logits within" in said[-1]
     assert prepare.is_prepared(target) and not list(tmp_path.glob(".smol.*"))  # no temp dir left behind
     assert "quantization_config" not in json.loads((target / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    gguf = prepare.gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    assert prepare.check_probe(reference, target, tok) <= prepare.PROBE_TOLERANCE
     assert sum(p.numel() for p in model.parameters()) == pytest.approx(134.5e6, rel=0.01)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_tensors="pt", return_dict=True)

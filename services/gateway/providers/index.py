@@ -259,9 +259,18 @@ class DenseModel:
         return np.asarray(out, dtype=np.float32)
 
 
-@lru_cache(maxsize=4)
 def load_model(model_path: Path, max_seq_length: int) -> DenseModel:
-    """Load a sentence-transformers model on CPU, offline; once per (path, length) per process."""
+    """Load a sentence-transformers model on CPU, offline; once per (path, length) per process.
+
+    Under the process-wide load lock, so two providers starting at once load it once, in turn."""
+    from services.common.hf import LOAD_LOCK
+
+    with LOAD_LOCK:
+        return _load_model(model_path, max_seq_length)
+
+
+@lru_cache(maxsize=4)
+def _load_model(model_path: Path, max_seq_length: int) -> DenseModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
@@ -269,7 +278,10 @@ def load_model(model_path: Path, max_seq_length: int) -> DenseModel:
     except ImportError as exc:
         raise ConfigError("the dense provider needs sentence-transformers "
                           "(pip install 'fanroute[dense]')") from exc
-    model = SentenceTransformer(str(model_path), device="cpu")
+    from services.common.hf import model_loading
+
+    with model_loading():  # concurrent loads race inside transformers (services.common.hf)
+        model = SentenceTransformer(str(model_path), device="cpu")
     model.max_seq_length = max_seq_length
     return DenseModel(model, threading.Lock())
 
