@@ -66,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     from services.evaluate.cli import add_parser as add_evaluate
 
     add_evaluate(sub)
+    from services.tools.market import add_parser as add_market
+
+    add_market(sub)
     return p
 
 
@@ -102,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         from services.evaluate.cli import run as evaluate_run
 
         return evaluate_run(args)
+    if args.cmd == "market":
+        from services.tools.market import run as market_run
+
+        return market_run(args)
     if args.cmd == "publisher":
         from services.publisher.__main__ import main as publisher_main
 

@@ -18,7 +18,8 @@ from services.router.policy import call_order
 FUSED = "rrf-fused"
 #: Policy names, in the order the report lists them.
 CANDIDATE, DEPLOYED, BEST_SINGLE, ORACLE, FANOUT = "candidate", "deployed", "best_single", "oracle", "fanout"
-POLICIES = (CANDIDATE, DEPLOYED, BEST_SINGLE, ORACLE, FANOUT)
+JUDGE_ORACLE = "judge_oracle"
+POLICIES = (CANDIDATE, DEPLOYED, BEST_SINGLE, JUDGE_ORACLE, ORACLE, FANOUT)
 ROUTERS = (CANDIDATE, DEPLOYED)
 
 
@@ -138,6 +139,22 @@ def oracle(q: QueryScores) -> Outcome:
     c = q.candidate(pick)
     return Outcome(policy=ORACLE, called=(pick,), returned=pick if c.ok else None, cost_usd=c.cost_usd,
                    latency_ms=c.latency_ms, human=_score(q.human, human_pick), judge=_score(q.judge, judge_pick))
+
+
+def judge_oracle(q: QueryScores) -> Outcome:
+    """Per query the judge's first provider (its top grade; ties: cheapest, then fastest), scored on both measures.
+
+    This is the label ceiling: a student distilled from this judge can at best learn to name this provider,
+    so its human score is the most such a student can reach. None of it when the judge failed on the query.
+    """
+    if q.judge is None:
+        return Outcome(policy=JUDGE_ORACLE, called=(), returned=None, cost_usd=0.0, latency_ms=0.0,
+                       human=None, judge=None)
+    pick = _best(q, q.judge)
+    c = q.candidate(pick)
+    return Outcome(policy=JUDGE_ORACLE, called=(pick,), returned=pick if c.ok else None, cost_usd=c.cost_usd,
+                   latency_ms=c.latency_ms, human=_score(q.human, pick if c.ok else None),
+                   judge=_score(q.judge, pick if c.ok else None))
 
 
 def fanout(q: QueryScores) -> Outcome:

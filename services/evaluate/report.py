@@ -26,6 +26,8 @@ NOTES = {
               "list shown to the judge as one more blind candidate; cost = sum, latency = slowest provider",
     "oracle": "best provider per query in hindsight, separately per measure (ties: cheapest, then fastest); "
               "cost/latency of the human pick where there are qrels, else of the judge pick",
+    "judge_oracle": "per query the judge's first provider (top grade; ties: cheapest, then fastest): the best a "
+                    "student distilled from this judge can do, measured on the human qrels",
     "routers": "router ordering, then the best single provider, then the rest, at most max_attempts calls, "
                "next one only when the trace shows the provider failed; a router failure (timeout, error, "
                "unparseable) is answered by the best single provider and counted under fallbacks; "

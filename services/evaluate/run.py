@@ -152,12 +152,14 @@ async def _score(opts: EvalOptions, settings: JudgeSettings,
 def replay(scored: list[QueryScores], adapters: dict[str, str], calls: dict[str, dict[str, RouterCall]],
            best_single: str, max_attempts: int) -> tuple[dict[str, list[pol.Outcome]], list[QueryRow]]:
     """Every policy's outcome on every query: one list per policy (aligned by query) and one row per query."""
-    outcomes: dict[str, list[pol.Outcome]] = {p: [] for p in (*adapters, pol.BEST_SINGLE, pol.ORACLE, pol.FANOUT)}
+    outcomes: dict[str, list[pol.Outcome]] = {p: [] for p in (*adapters, pol.BEST_SINGLE, pol.JUDGE_ORACLE, pol.ORACLE,
+                                                              pol.FANOUT)}
     rows = []
     for q in scored:
         tid = q.trace.trace_id
         per = {p: pol.routed(q, p, calls[name][tid], best_single, max_attempts) for p, name in adapters.items()}
         per[pol.BEST_SINGLE] = pol.single(q, best_single, max_attempts)
+        per[pol.JUDGE_ORACLE] = pol.judge_oracle(q)
         per[pol.ORACLE] = pol.oracle(q)
         per[pol.FANOUT] = pol.fanout(q)
         for p, o in per.items():

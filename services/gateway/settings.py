@@ -13,23 +13,23 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from schemas.base import summarise
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings
-from services.gateway.providers.config import BM25Config, DenseConfig, LatencyModel, ProviderConfig
+from services.gateway.providers.config import ProviderConfig
+from services.gateway.providers.markets import DEFAULT_MARKET, MarketName, market
 from services.publisher.store import MODEL_ID_PATTERN
 
 
 def default_providers() -> list[ProviderConfig]:
-    """The embedded default: five local providers over the bundled test collections that differ
-    in coverage, method, cost and latency, so that choosing between them is a real decision."""
-    return [
-        BM25Config(name="bm25-all", cost_usd=0.001, latency=LatencyModel(median_ms=120, sigma=0.3)),
-        DenseConfig(name="dense-all", cost_usd=0.004, latency=LatencyModel(median_ms=300, sigma=0.4)),
-        DenseConfig(name="bio-dense", collections=("med", "scifact"), cost_usd=0.002,
-                    latency=LatencyModel(median_ms=150, sigma=0.3)),
-        BM25Config(name="lib-bm25", collections=("cisi", "lisa", "adi"), cost_usd=0.0005,
-                   latency=LatencyModel(median_ms=60, sigma=0.2)),
-        BM25Config(name="eng-bm25", collections=("cranfield", "npl"), cost_usd=0.0005,
-                   latency=LatencyModel(median_ms=60, sigma=0.2)),
-    ]
+    """The embedded default: the ``federated`` market (see :mod:`services.gateway.providers.markets`)."""
+    return market(DEFAULT_MARKET)
+
+
+def resolve_providers(settings: object) -> None:
+    """Providers in force: the file's if named, else an explicit list, else the ``market`` preset's."""
+    fields_set = getattr(settings, "model_fields_set")
+    if getattr(settings, "providers_file") is not None:
+        object.__setattr__(settings, "providers", load_providers_file(getattr(settings, "providers_file")))
+    elif "providers" not in fields_set:
+        object.__setattr__(settings, "providers", market(getattr(settings, "market")))
 
 
 _PROVIDERS = TypeAdapter(list[ProviderConfig])
@@ -75,8 +75,11 @@ class GatewaySettings(ServiceSettings):
 
     host: str = Field(default="127.0.0.1", description="Listen address")
     port: int = Field(default=8000, ge=0, le=65535, description="Listen port (0 = any free port)")
+    market: MarketName = Field(default=DEFAULT_MARKET,
+                               description="Provider market preset used when no providers are given: "
+                                           "federated (deep verticals, shallow generalists) or nested (the control)")
     providers: list[ProviderConfig] = Field(default_factory=default_providers, min_length=1,
-                                            description="Providers to fan out to")
+                                            description="Providers to fan out to (default: the market's)")
     providers_file: Path | None = Field(default=None,
                                         description="TOML/JSON file with a [[providers]] list; overrides")
     collections_dir: Path | None = Field(default=None, description="Test collections root")
@@ -97,8 +100,7 @@ class GatewaySettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _load_file_and_check(self) -> GatewaySettings:
-        if self.providers_file is not None:
-            object.__setattr__(self, "providers", load_providers_file(self.providers_file))
+        resolve_providers(self)
         names = [p.name for p in self.providers]
         if len(names) != len(set(names)):
             raise ValueError(f"provider names must be unique, got {names}")

@@ -9,7 +9,8 @@ from pydantic import Field, model_validator
 
 from services.common.settings import ServiceSettings
 from services.gateway.providers.config import ProviderConfig
-from services.gateway.settings import default_providers, load_providers_file
+from services.gateway.providers.markets import DEFAULT_MARKET, MarketName
+from services.gateway.settings import default_providers, resolve_providers
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
 from services.judge.settings_local import LocalJudgeConfig
 
@@ -23,6 +24,7 @@ class JudgeSettings(ServiceSettings):
     judge: JudgeConfig = Field(default_factory=LocalJudgeConfig, description="The judge backend")
     sample_rate: float = Field(default=0.2, ge=0, le=1,
                                description="Share of uncontested traces judged (contested: all)")
+    market: MarketName = Field(default=DEFAULT_MARKET, description="Provider market preset (as the gateway's)")
     providers: list[ProviderConfig] = Field(default_factory=default_providers,
                                             description="The provider set being judged (as the gateway's)")
     providers_file: Path | None = Field(default=None, description="Same file as the gateway's")
@@ -32,8 +34,7 @@ class JudgeSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _load_file(self) -> JudgeSettings:
-        if self.providers_file is not None:
-            object.__setattr__(self, "providers", load_providers_file(self.providers_file))
+        resolve_providers(self)
         return self
 
 

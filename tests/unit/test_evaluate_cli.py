@@ -66,7 +66,9 @@ def test_eval_end_to_end(inputs, router, capsys):
     c = comp[("candidate", "best_single", "human")]
     assert (c["wins"], c["ties"], c["losses"], c["n"]) == (6, 0, 0, 6) and c["ci95"][0] > 0
     assert len(report["queries"]) == 6 and set(report["queries"][0]["outcomes"]) == {
-        "candidate", "deployed", "best_single", "oracle", "fanout"}
+        "candidate", "deployed", "best_single", "judge_oracle", "oracle", "fanout"}
+    assert p["judge_oracle"]["calls_per_query"] == 1  # the judge's top pick, scored on the qrels
+    assert p["judge_oracle"]["human"]["mean"] <= p["oracle"]["human"]["mean"]
     first = next(q for q in report["queries"] if q["trace_id"] == "adi-1")
     assert first["outcomes"]["candidate"]["called"] == ["good"]
     assert "candidate (router@2)" in out and "best_single (cheap)" in out and "fallbacks: unparseable 6" in out

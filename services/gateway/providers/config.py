@@ -37,12 +37,35 @@ class _Local(_Common):
     latency: LatencyModel = Field(default_factory=LatencyModel)
 
 
-class BM25Config(_Local):
+class _Lexical(_Local):
+    lead_chars: int | None = Field(default=None, ge=20, le=100_000,
+                                   description="Index only the title and the first this many characters of "
+                                               "each document (a shallow index); None = the full text")
+
+
+class BM25Config(_Lexical):
     """BM25 (bm25s, Snowball-stemmed) over local test collections."""
 
     type: Literal["bm25"] = "bm25"
     k1: float = Field(default=1.5, gt=0, le=5, description="BM25 k1")
     b: float = Field(default=0.75, ge=0, le=1, description="BM25 b")
+
+
+class LSAConfig(_Lexical):
+    """Latent semantic indexing: cosine in a truncated-SVD space of the TF-IDF matrix (no neural model)."""
+
+    type: Literal["lsa"] = "lsa"
+    dim: int = Field(default=200, ge=8, le=1000, description="SVD dimensions kept")
+
+
+class HybridConfig(_Lexical):
+    """BM25 fused with LSA: ``bm25 / max(bm25) + lsa_weight * max(cosine, 0)`` per document."""
+
+    type: Literal["hybrid"] = "hybrid"
+    k1: float = Field(default=1.2, gt=0, le=5, description="BM25 k1")
+    b: float = Field(default=0.75, ge=0, le=1, description="BM25 b")
+    dim: int = Field(default=200, ge=8, le=1000, description="SVD dimensions of the LSA part")
+    lsa_weight: float = Field(default=0.3, ge=0, le=5, description="Weight of the LSA cosine in the fusion")
 
 
 class DenseConfig(_Local):
@@ -103,7 +126,7 @@ class SerpApiConfig(_Web):
 
 
 ProviderConfig = Annotated[
-    Union[BM25Config, DenseConfig, SyntheticConfig, SearxngConfig, BraveConfig, TavilyConfig,
+    Union[BM25Config, LSAConfig, HybridConfig, DenseConfig, SyntheticConfig, SearxngConfig, BraveConfig, TavilyConfig,
           ExaConfig, SerpApiConfig],
     Field(discriminator="type"),
 ]

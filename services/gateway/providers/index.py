@@ -139,7 +139,7 @@ def ensure_index(cache_dir: Path, key: IndexKey, build: Callable[[Path], Params]
     return CachedIndex(final, built=True)
 
 
-def _write_doc_keys(path: Path, docs: Sequence[Doc]) -> None:
+def write_doc_keys(path: Path, docs: Sequence[Doc]) -> None:
     """Write the (collection, doc_id) of each index row, in row order."""
     (path / DOCS_FILE).write_text(json.dumps([[d.collection, d.doc_id] for d in docs]))
 
@@ -165,29 +165,56 @@ def _stemmer() -> Any:
     return stemmer
 
 
-def bm25_params(k1: float, b: float) -> dict[str, str | float]:
+def bm25_params(k1: float, b: float, lead_chars: int | None = None) -> dict[str, str | float | int]:
     """The cache-key parameters of a BM25 index."""
     import bm25s
 
-    return {"k1": k1, "b": b, "method": "lucene", "stemmer": STEMMER_LANGUAGE,
-            "stopwords": STOPWORDS, "bm25s": bm25s.__version__}
+    params: dict[str, str | float | int] = {"k1": k1, "b": b, "method": "lucene", "stemmer": STEMMER_LANGUAGE,
+                                            "stopwords": STOPWORDS, "bm25s": bm25s.__version__}
+    if lead_chars is not None:  # absent for full text, so existing full-text cache keys stay valid
+        params["lead_chars"] = lead_chars
+    return params
 
 
-def doc_text_bm25(doc: Doc) -> str:
-    """The text BM25 indexes for a document: title and body."""
-    return f"{doc.title} {doc.text}".strip()
+def lead(text: str, max_chars: int | None) -> str:
+    """The first ``max_chars`` or so of ``text`` cut at a word boundary (all of it for None)."""
+    if max_chars is None or len(text) <= max_chars:
+        return text
+    head = text[:max_chars]
+    return head.rsplit(" ", 1)[0] if " " in head else head
 
 
-def build_bm25(path: Path, docs: Sequence[Doc], *, k1: float, b: float) -> Params:
+def doc_text_bm25(doc: Doc, lead_chars: int | None = None) -> str:
+    """The text a lexical index reads of a document: title and body (or its lead)."""
+    return f"{doc.title} {lead(doc.text, lead_chars)}".strip()
+
+
+def tokenize_docs(docs: Sequence[Doc], lead_chars: int | None = None) -> Any:
+    """bm25s token ids of each document's text (stemmed, English stopwords out)."""
+    import bm25s
+
+    return bm25s.tokenize([doc_text_bm25(d, lead_chars) for d in docs], stopwords=STOPWORDS,
+                          stemmer=_stemmer(), show_progress=False)
+
+
+def query_terms(query: str) -> list[str]:
+    """The stemmed, stopword-free terms of a query, as the lexical indexes see them."""
+    import bm25s
+
+    tokens = bm25s.tokenize(query, stopwords=STOPWORDS, stemmer=_stemmer(), return_ids=False,
+                            show_progress=False)
+    return list(tokens[0]) if tokens else []
+
+
+def build_bm25(path: Path, docs: Sequence[Doc], *, k1: float, b: float, lead_chars: int | None = None) -> Params:
     """Index ``docs`` with bm25s (stemmed, English stopwords) and save it into ``path``."""
     import bm25s
 
-    tokens = bm25s.tokenize([doc_text_bm25(d) for d in docs], stopwords=STOPWORDS,
-                            stemmer=_stemmer(), show_progress=False)
+    tokens = tokenize_docs(docs, lead_chars)
     retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
     retriever.index(tokens, show_progress=False)
     retriever.save(str(path), show_progress=False)
-    _write_doc_keys(path, docs)
+    write_doc_keys(path, docs)
     return {"docs": len(docs), "vocab": len(retriever.vocab_dict)}
 
 
@@ -200,11 +227,8 @@ def load_bm25(path: Path) -> Any:
 
 def bm25_scores(retriever: Any, query: str) -> np.ndarray | None:
     """BM25 scores of every indexed document for ``query``; None if no query term is indexed."""
-    import bm25s
-
-    tokens = bm25s.tokenize(query, stopwords=STOPWORDS, stemmer=_stemmer(), return_ids=False,
-                            show_progress=False)
-    ids = retriever.get_tokens_ids(tokens[0]) if tokens else []
+    terms = query_terms(query)
+    ids = retriever.get_tokens_ids(terms) if terms else []
     if not ids:
         return None
     return np.asarray(retriever.get_scores_from_ids(ids), dtype=np.float32)
@@ -321,7 +345,7 @@ def build_dense(path: Path, docs: Sequence[Doc], model: DenseModel, *, desc: str
     """Embed ``docs`` and save the float32 matrix and row doc ids into ``path``."""
     embeddings = encode_docs(model, docs, desc=desc)
     np.save(path / EMBEDDINGS_FILE, embeddings)
-    _write_doc_keys(path, docs)
+    write_doc_keys(path, docs)
     return {"docs": len(docs), "dim": int(embeddings.shape[1]) if embeddings.size else 0}
 
 

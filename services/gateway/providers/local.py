@@ -1,4 +1,4 @@
-"""Local providers over the real test collections (BM25, dense) and a cheap synthetic one.
+"""Local providers over the real test collections (BM25, LSA, BM25+LSA hybrid, dense) and a synthetic one.
 
 Each adds a simulated network latency after its real compute (see :class:`LatencyModel`), so
 that cost and latency differ between providers as they would for real search APIs.
@@ -25,7 +25,10 @@ from services.gateway.providers.base import Provider, ProviderAnswer, build_answ
 from services.gateway.providers.collections import (
     Doc, check_names, collection_hash, default_collections_dir, doc_url, load_corpus,
 )
-from services.gateway.providers.config import BM25Config, DenseConfig, LatencyModel, SyntheticConfig
+from services.gateway.providers.config import (
+    BM25Config, DenseConfig, HybridConfig, LatencyModel, LSAConfig, SyntheticConfig,
+)
+from services.gateway.providers.lsa import LSAIndex, build_lsa, lsa_params
 
 SNIPPET_CHARS = 300
 SYNTHETIC_COLLECTION = "synthetic"
@@ -197,16 +200,71 @@ class BM25Provider(LocalIndexProvider):
 
     def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
         """One index over all collections, since BM25's IDF depends on the whole corpus."""
-        docs = [d for name in self.collections for d in corpora[name]]
-        k1, b = self.config.k1, self.config.b
-        key = idx.IndexKey(self.kind, collection_hash(directory, self.collections),
-                           idx.bm25_params(k1, b))
-        path = self._ensure(key, lambda tmp: idx.build_bm25(tmp, docs, k1=k1, b=b))
-        self._retriever = idx.load_bm25(path)
-        return idx.read_doc_keys(path)
+        self._retriever, rows = self._bm25(directory, corpora, self.config.k1, self.config.b)
+        return rows
+
+    def _docs_of(self, corpora: Corpora) -> list[Doc]:
+        return [d for name in self.collections for d in corpora[name]]
+
+    def _bm25(self, directory: Path, corpora: Corpora, k1: float, b: float) -> tuple[object, RowKeys]:
+        docs, lead = self._docs_of(corpora), self.config.lead_chars
+        key = idx.IndexKey("bm25", collection_hash(directory, self.collections), idx.bm25_params(k1, b, lead))
+        path = self._ensure(key, lambda tmp: idx.build_bm25(tmp, docs, k1=k1, b=b, lead_chars=lead))
+        return idx.load_bm25(path), idx.read_doc_keys(path)
+
+    def _lsa(self, directory: Path, corpora: Corpora, dim: int) -> tuple[LSAIndex, RowKeys]:
+        docs, lead = self._docs_of(corpora), self.config.lead_chars
+        key = idx.IndexKey("lsa", collection_hash(directory, self.collections), lsa_params(dim, lead))
+        path = self._ensure(key, lambda tmp: build_lsa(tmp, docs, dim=dim, lead_chars=lead))
+        return LSAIndex.load(path), idx.read_doc_keys(path)
 
     def _scores(self, query: str) -> np.ndarray | None:
         return idx.bm25_scores(self._retriever, query)
+
+
+class LSAProvider(BM25Provider):
+    """Latent semantic indexing over the union of its collections (see :mod:`.lsa`)."""
+
+    kind = "lsa"
+    positive_only = True  # a document at cosine <= 0 is not an answer
+    config: LSAConfig  # type: ignore[assignment]
+
+    def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
+        self._lsa_index, rows = self._lsa(directory, corpora, self.config.dim)
+        return rows
+
+    def _scores(self, query: str) -> np.ndarray | None:
+        return self._lsa_index.scores(query)
+
+
+class HybridProvider(BM25Provider):
+    """BM25 and LSA over the same documents, fused: ``bm25 / max(bm25) + w * max(cosine, 0)``.
+
+    Max-normalising BM25 puts both parts on [0, 1] per query, so one weight means the same thing for
+    every query; a document that only LSA finds can still rank (BM25 alone drops it).
+    """
+
+    kind = "hybrid"
+    config: HybridConfig  # type: ignore[assignment]
+
+    def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
+        self._retriever, rows = self._bm25(directory, corpora, self.config.k1, self.config.b)
+        self._lsa_index, lsa_rows = self._lsa(directory, corpora, self.config.dim)
+        if lsa_rows != rows:
+            raise ProviderError(self.name, "the BM25 and LSA indexes disagree on their rows")
+        return rows
+
+    def _scores(self, query: str) -> np.ndarray | None:
+        lexical = idx.bm25_scores(self._retriever, query)
+        semantic = self._lsa_index.scores(query)
+        if lexical is None and semantic is None:
+            return None
+        out = np.zeros(len(self._docs), dtype=np.float32)
+        if lexical is not None and (top := float(lexical.max())) > 0:
+            out += lexical / top
+        if semantic is not None:
+            out += self.config.lsa_weight * np.clip(semantic, 0.0, None)
+        return out
 
 
 class DenseProvider(LocalIndexProvider):

@@ -13,6 +13,10 @@ def build_provider(cfg: c.ProviderConfig, *, collections_dir: Path | None = None
     """One provider instance; nothing is loaded until its ``start()``."""
     from services.gateway.providers import local, web
 
+    if isinstance(cfg, c.HybridConfig):
+        return local.HybridProvider(cfg, collections_dir=collections_dir, cache_dir=cache_dir)
+    if isinstance(cfg, c.LSAConfig):
+        return local.LSAProvider(cfg, collections_dir=collections_dir, cache_dir=cache_dir)
     if isinstance(cfg, c.BM25Config):
         return local.BM25Provider(cfg, collections_dir=collections_dir, cache_dir=cache_dir)
     if isinstance(cfg, c.DenseConfig):
