@@ -44,3 +44,6 @@ class Episode(Message):
         default=None, description="Name of the reward component whose verdict wrote the assistant turn "
                                   "(its judge's gate is the one that matters for training)")
     token_ids: tuple[int, ...] | None = Field(default=None, description="Exact tokens, when sampled")
+    label_rule: str | None = Field(
+        default=None, max_length=200,
+        description="How the assistant turn orders providers the judge tied (e.g. cheaper first, then faster)")

@@ -69,6 +69,7 @@ def parse_ordering(text: str, names: Sequence[str] | None = None) -> tuple[tuple
     return tuple(tiers)
 
 
-def format_ordering(tiers: Sequence[Sequence[str]]) -> str:
-    """The one written form of an ordering: ``"a = b > c"`` (names sorted within a tier)."""
-    return " > ".join(" = ".join(sorted(t)) for t in tiers if t)
+def format_ordering(tiers: Sequence[Sequence[str]], *, keep_tier_order: bool = False) -> str:
+    """The one written form of an ordering: ``"a = b > c"``, names sorted within a tier unless
+    ``keep_tier_order`` (a label whose within-tier order carries a rule, e.g. cheaper first)."""
+    return " > ".join(" = ".join(t if keep_tier_order else sorted(t)) for t in tiers if t)

@@ -26,6 +26,19 @@ def system_prompt(providers: Iterable[str]) -> str:
     return SYSTEM_TEMPLATE.format(names=", ".join(names), example=example)
 
 
+#: Within a tier of the judge's ordering (equal grades), the cheaper provider is named first, then the
+#: faster (this trace's measured latency), then by name: a router that learns "first name" learns the
+#: cheaper route wherever quality is equal.
+LABEL_RULE = "judge tiers; within a tier: cost per call ascending, then latency ascending, then name"
+
+
+def cost_aware(tiers: tuple[tuple[str, ...], ...], trace: Trace) -> tuple[tuple[str, ...], ...]:
+    """``tiers`` with each tier sorted by (cost, latency, name) of the trace's candidates (:data:`LABEL_RULE`)."""
+    price = {c.provider: (c.cost_usd, c.latency_ms) for c in trace.candidates}
+    missing = (float("inf"), float("inf"))
+    return tuple(tuple(sorted(tier, key=lambda n: (*price.get(n, missing), n))) for tier in tiers)
+
+
 def episode_id(trace_id: str) -> str:
     """One episode per trace: later verdicts add reward components to it."""
     return content_id("episode", trace_id)
@@ -48,9 +61,11 @@ def build_episode(trace: Trace, verdict: Verdict, components: Iterable[RewardCom
     rewards = {c.name: c for c in components}
     own = ndcg_component(ep_id, verdict, verdict.ordering)
     rewards.setdefault(own.name, own)
+    ordering = cost_aware(verdict.ordering, trace)
     return Episode(
         episode_id=ep_id, trace_id=trace.trace_id, created_at=now or datetime.now(UTC),
         messages=(ChatMessage(role="system", content=system_prompt(c.provider for c in trace.candidates)),
                   ChatMessage(role="user", content=trace.query),
-                  ChatMessage(role="assistant", content=format_ordering(verdict.ordering))),
-        rewards=tuple(sorted(rewards.values(), key=lambda c: c.name)), primary_reward=own.name)
+                  ChatMessage(role="assistant", content=format_ordering(ordering, keep_tier_order=True))),
+        rewards=tuple(sorted(rewards.values(), key=lambda c: c.name)), primary_reward=own.name,
+        label_rule=LABEL_RULE)

@@ -29,7 +29,8 @@ def guard(settings: JudgeSettings) -> None:
         clash = conflicting_providers(settings.judge, settings.providers)
         if clash:
             raise ConfigError(f"the local judge embeds with the same model as provider(s) {clash}; "
-                              "it would flatter them — use the lexical local judge or another judge")
+                              "it would flatter them — use the lexical local judge "
+                              "(FANROUTE_JUDGE='{\"type\": \"local\"}') or another judge")
 
 
 def provider_hosts(settings: JudgeSettings) -> tuple[str, ...]:

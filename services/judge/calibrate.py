@@ -23,6 +23,7 @@ from schemas.trace import Trace
 from schemas.verdict import Verdict
 from services.common.errors import SchemaError
 from services.common.replay_topic import read_to_end
+from services.common.splits import dev_half
 from services.common.settings import KafkaSettings
 from services.gateway.fanout import fan_out_trace
 from services.gateway.providers.config import LatencyModel, ProviderConfig
@@ -35,15 +36,19 @@ from services.judge.worker import to_providers
 from services.tools.replay import sample_queries
 
 
-async def offline_traces(providers: list[ProviderConfig], *, n: int, seed: int,
-                         contested_threshold: float) -> list[Trace]:
-    """Fan the collections' dev queries out to ``providers`` in-process (no latency model, no bus)."""
+async def offline_traces(providers: list[ProviderConfig], *, n: int | None, seed: int,
+                         contested_threshold: float, half: str | None = None) -> list[Trace]:
+    """Fan the collections' dev queries out to ``providers`` in-process (no latency model, no bus).
+
+    ``half`` keeps only the ``"tune"`` or ``"validation"`` half of the dev queries (None: all);
+    ``n`` then takes the first ``n`` of them in a ``seed``-shuffled order (None: every one)."""
     live = [build_provider(cfg.model_copy(update={"latency": LatencyModel()})
                            if hasattr(cfg, "latency") else cfg) for cfg in providers if cfg.enabled]
     await asyncio.gather(*(p.start() for p in live))
     try:
         out = []
-        for q in tqdm(sample_queries(limit=n, seed=seed), desc="fan-out", unit="q"):
+        queries = [q for q in sample_queries(seed=seed) if half is None or dev_half(q.query_id) == half][:n]
+        for q in tqdm(queries, desc="fan-out", unit="q"):
             out.append(await fan_out_trace(live, q.text, query_id=q.query_id,
                                            trace_id=content_id("calibration", q.query_id),
                                            deadline_s=60, contested_threshold=contested_threshold))

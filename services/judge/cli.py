@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from pathlib import Path
 
 
@@ -12,7 +13,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("calibrate", help="judge vs human labels, and the calibration gate")
     cs = c.add_subparsers(dest="action", required=True)
     r = cs.add_parser("report", help="the configured judge vs the collections' qrels")
-    r.add_argument("--queries", type=int, default=200, help="development queries to fan out")
+    r.add_argument("--queries", type=int, default=None, help="at most this many dev queries (default: all of --half)")
+    r.add_argument("--half", choices=("validation", "tune", "all"), default="validation",
+                   help="which half of the dev queries (services.common.splits): the judge's cut points were "
+                        "tuned on 'tune', so the honest figure is 'validation' (the default)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--threshold", type=float, default=0.7, help="tau-b at or above which the gate opens")
     r.add_argument("--out", type=Path, default=Path("out/calibration/report.json"))
@@ -56,14 +60,20 @@ async def _report(settings, args) -> int:
     backend = build_backend(settings.judge)
     await backend.start()
     try:
-        traces = await cal.offline_traces(settings.providers, n=args.queries, seed=args.seed,
-                                          contested_threshold=0.1)
+        traces = await cal.offline_traces(settings.providers, n=args.queries, seed=args.seed, contested_threshold=0.1,
+                                          half=None if args.half == "all" else args.half)
+        t0 = time.perf_counter()
         report = cal.against_qrels(traces, await cal.judge_tiers(backend, traces))
+        seconds = time.perf_counter() - t0
     finally:
         await backend.close()
     names = [p.name for p in settings.providers if p.enabled]
     record = cal.record_for(report, backend, names, source="qrels", threshold=args.threshold)
-    print(render_report(report, f"{backend.identity.model} vs qrels ({len(traces)} traces)"))
+    print(render_report(report, f"{backend.identity.model} vs qrels ({len(traces)} traces, {args.half} half of "
+                                f"the dev queries)"))
+    stats = getattr(backend, "embedding_stats", None)
+    print(f"judge cost: {1000 * seconds / max(len(traces), 1):.0f} ms per trace on this CPU"
+          + (f"; source embeddings computed {stats['embedded']}, from cache {stats['cached']}" if stats else ""))
     print(f"gate {record.gate_key}: tau-b {record.tau_b} vs threshold {record.threshold} -> "
           f"{'OPEN' if record.open else 'CLOSED'}")
     cal.write_json(report, record, args.out)

@@ -18,10 +18,17 @@ JudgeConfig = Annotated[Union[LocalJudgeConfig, OpenAIJudgeConfig, AnthropicJudg
                         Field(discriminator="type")]
 
 
+def default_judge() -> LocalJudgeConfig:
+    """The local judge blending lexical and MiniLM evidence, cut points from ``bench/judge_tune.py``."""
+    return LocalJudgeConfig(use_embeddings=True)
+
+
 class JudgeSettings(ServiceSettings):
     """``FANROUTE_`` env vars, e.g. ``FANROUTE_JUDGE='{"type": "openai", ...}'``."""
 
-    judge: JudgeConfig = Field(default_factory=LocalJudgeConfig, description="The judge backend")
+    judge: JudgeConfig = Field(default_factory=default_judge,
+                               description="The judge backend (default: the local judge, lexical + MiniLM evidence, "
+                                           "which no provider of the federated market embeds with)")
     sample_rate: float = Field(default=0.2, ge=0, le=1,
                                description="Share of uncontested traces judged (contested: all)")
     market: MarketName = Field(default=DEFAULT_MARKET, description="Provider market preset (as the gateway's)")

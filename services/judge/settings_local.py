@@ -39,6 +39,9 @@ class LocalJudgeConfig(BaseModel):
                     "default: the variant's calibrated ones")
     top_sources: int = Field(default=5, ge=1, le=50,
                              description="Sources per candidate that count (rank-discounted)")
+    embedding_cache: Literal["disk", "off"] = Field(
+        default="disk", description="Keep source embeddings in ~/.cache/fanroute/judge (or "
+                                    "$FANROUTE_JUDGE_CACHE_DIR) so a document is embedded once")
 
     @field_validator("thresholds")
     @classmethod

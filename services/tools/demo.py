@@ -81,7 +81,7 @@ async def _demo(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
     async with served(create_app(settings), settings.port, what="gateway") as url:
         print(f"      gateway ready at {url} in {time.perf_counter() - t0:.1f}s", flush=True)
         traces, code = await _traffic(opts, kafka, url)
-    verdicts, episodes, wanted = await _judge(kafka, redis_url, traces, settings.providers, opts)
+    verdicts, episodes, wanted, gate = await _judge(kafka, redis_url, traces, settings.providers, opts)
     code = code if len(verdicts) == wanted else 1
     if not opts.loop:
         return code
@@ -90,7 +90,7 @@ async def _demo(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
     data = split(traces, episodes, opts.held_out_fraction, opts.out_dir)
     print(f"      split by query: {data.n_train} training episodes, {len(data.held_out)} held-out queries "
           f"({opts.held_out_fraction:.0%}) the student never sees", flush=True)
-    loop = LoopOptions(held_out_fraction=opts.held_out_fraction)
+    loop = LoopOptions(held_out_fraction=opts.held_out_fraction, allow_uncalibrated=not gate.open)
     return max(code, await distill_and_route(kafka, redis_url, data, settings, opts.out_dir, loop, 6, STEPS))
 
 
@@ -181,7 +181,8 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
         await builder
     judged = {v.trace_id: v.ordering for v in got.values() if v.status == "ok"}
     report = against_qrels([t for t in traces if t.trace_id in judged], judged)
-    print(render_report(report, f"{len(got)} verdicts on the topic; the judge vs the human qrels"))
+    print(render_report(report, f"{len(got)} verdicts on the topic; the judge vs the human qrels (all dev queries)"))
+    gate = await _calibration_gate(kafka, backend, traces, judged, providers)
     print(f"episodes: {len(episodes)} (dataset + ATIF in {out_dir / 'episodes'}); replay tasks: {len(tasks)} "
           f"(in {out_dir / 'tasks'})")
     if tasks:
@@ -191,7 +192,32 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
         result = run_verifier(task_dir, answer)
         print(f"  local verifier on {task_dir.name[:12]} with the judge's ordering: reward {result.reward} "
               f"({result.source})")
-    return list(got.values()), episodes, len(wanted)
+    return list(got.values()), episodes, len(wanted), gate
+
+
+async def _calibration_gate(kafka: KafkaSettings, backend, traces: list[Trace], judged, providers):
+    """The gate record from the judge's agreement with the qrels on the *validation half* only (its cut
+    points were chosen on the tuning half), published on ``calibrations`` where the trainer looks."""
+    from schemas import topic
+    from services.common.bus import Bus
+    from services.common.splits import dev_half
+    from services.judge.calibrate import against_qrels, record_for
+    from services.judge.calibration.metrics import render_report
+
+    val = [t for t in traces if t.trace_id in judged and dev_half(t.query_id or "") == "validation"]
+    report = against_qrels(val, judged)
+    names = [p.name for p in providers if p.enabled]
+    record = record_for(report, backend, names, source="qrels (validation half of the dev queries)", threshold=0.7)
+    print(render_report(report, "the judge vs the human qrels on the validation half (the gate's figure)"))
+    bus = Bus(kafka, client_id="fanroute-demo-calibrate")
+    await bus.start((topic("calibrations"),))
+    try:
+        await bus.publish(topic("calibrations"), record)
+    finally:
+        await bus.stop()
+    print(f"      calibration gate: tau-b {record.tau_b} vs {record.threshold} -> "
+          f"{'OPEN' if record.open else 'CLOSED'} (published on the calibrations topic)", flush=True)
+    return record
 
 
 async def _episodes(kafka: KafkaSettings, trace_ids: set[str], n: int, out_dir: Path):

@@ -31,6 +31,7 @@ class LoopOptions:
     """Knobs of the distill → evaluate → promote → route half."""
 
     held_out_fraction: float = 0.3
+    allow_uncalibrated: bool = False  # only when the judge's gate is closed; the run records it
     max_steps: int = 1000  # one pass over the training split caps it
     batch_size: int = 8
     router_max_tokens: int = 8  # the top of the ordering is what routing needs; ~0.1 s per token on CPU
@@ -113,12 +114,15 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
 
 def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publisher_url: str, out_dir: Path,
            opts: LoopOptions):
-    """One short SFT run (progress lines from the trainer); the demo's judge has no open gate, so it is
-    trained with ``allow_uncalibrated`` and the run records that."""
+    """One short SFT run (progress lines from the trainer). The trainer checks the judge's calibration gate
+    on Kafka itself; only a closed gate makes the demo pass ``allow_uncalibrated`` (recorded by the run)."""
     from services.trainer.settings import TrainerSettings
     from services.trainer.train import train
 
-    settings = TrainerSettings(kafka=kafka, redis=redis, episodes_file=train_file, allow_uncalibrated=True,
+    if opts.allow_uncalibrated:
+        print("      the judge's calibration gate is CLOSED: training with allow_uncalibrated (recorded)", flush=True)
+    settings = TrainerSettings(kafka=kafka, redis=redis, episodes_file=train_file,
+                               allow_uncalibrated=opts.allow_uncalibrated,
                                output_dir=out_dir / "train" / "run", max_steps=opts.max_steps,
                                batch_size=opts.batch_size, eval_fraction=0.1, eval_every=0, eval_max_examples=40,
                                checkpoint_every=0, publisher_url=publisher_url, model_id=MODEL_ID)

@@ -150,21 +150,23 @@ async def measure(name: str, *, limit: int | None, with_judge: bool,
     traces = await cal.offline_traces(providers, n=limit, seed=0, contested_threshold=0.1)
     tiers, judge_note = None, None
     if with_judge:
+        from services.judge.__main__ import guard
+        from services.judge.settings_local import LocalJudgeConfig
+
         settings = JudgeSettings(market=name)
         try:
-            from services.judge.__main__ import guard
-
             guard(settings)
-        except (ConfigError, SystemExit) as exc:
-            judge_note = f"default judge refused in this market ({exc}); no judge-oracle row"
-        else:
-            backend = build_backend(settings.judge)
-            await backend.start()
-            try:
-                tiers = await cal.judge_tiers(backend, traces)
-            finally:
-                await backend.close()
-            judge_note = f"judge: {backend.identity.model}"
+        except ConfigError as exc:  # e.g. nested: its dense providers embed with the judge's MiniLM
+            settings = JudgeSettings(market=name, judge=LocalJudgeConfig())
+            guard(settings)
+            judge_note = f"the default judge is refused here ({exc}); the lexical local judge instead"
+        backend = build_backend(settings.judge)
+        await backend.start()
+        try:
+            tiers = await cal.judge_tiers(backend, traces)
+        finally:
+            await backend.close()
+        judge_note = f"judge {backend.identity.model}" + (f" — {judge_note}" if judge_note else "")
     return query_rows(traces, tiers), judge_note
 
 

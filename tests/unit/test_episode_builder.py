@@ -91,3 +91,25 @@ async def test_a_verdict_no_replay_could_score_still_makes_an_episode_but_no_tas
     await b.on_trace(judged_trace("t5"))
     await b.on_verdict(verdict_for("t5", grades={"bm25-all": 0, "dense-all": 0, "eng-bm25": 0, "lib-bm25": 0}))
     assert len(episodes) == 1 and tasks == [] and b.metrics.no_task._value.get() == 1
+
+
+def test_equal_grades_teach_the_cheaper_then_faster_provider_first():
+    from services.episodes.build import LABEL_RULE, build_episode
+
+    t = judged_trace("t-cost")
+    priced = {"bm25-all": (0.003, 100.0), "eng-bm25": (0.001, 300.0), "dense-all": (0.001, 50.0),
+              "lib-bm25": (0.0, 10.0)}
+    t = t.model_copy(update={"candidates": tuple(
+        c.model_copy(update={"cost_usd": priced[c.provider][0], "latency_ms": priced[c.provider][1]})
+        for c in t.candidates)})
+    grades = {"bm25-all": 3, "eng-bm25": 3, "dense-all": 1, "lib-bm25": 1}
+    ep = build_episode(t, verdict_for(t.trace_id, grades=grades))
+    # the judge tied bm25-all and eng-bm25: the cheaper one is named first; lib-bm25 ties dense-all
+    # and is cheaper still; equal cost would fall to the faster, then the name
+    assert parse_ordering(ep.messages[2].content) == (("eng-bm25", "bm25-all"), ("lib-bm25", "dense-all"))
+    assert ep.label_rule == LABEL_RULE and "cost" in ep.label_rule
+    same_cost = t.model_copy(update={"candidates": tuple(c.model_copy(update={"cost_usd": 0.001})
+                                                         for c in t.candidates)})
+    ep2 = build_episode(same_cost, verdict_for(t.trace_id, grades=grades))
+    assert parse_ordering(ep2.messages[2].content)[0] == ("bm25-all", "eng-bm25")  # 100 ms before 300 ms
+    assert ep2.rewards == ep.rewards  # the reward is the judge's, whatever the label order within a tier

@@ -126,3 +126,15 @@ def test_summarise_adds_gain_shares_and_comparisons():
     assert rows["candidate"].adapter == "router@2"
     assert {(c.a, c.b, c.measure) for c in comps} == {("candidate", "best_single", "human"),
                                                        ("candidate", "best_single", "judge")}
+
+
+def test_judge_oracle_is_the_judges_first_pick_scored_on_the_qrels():
+    o = pol.judge_oracle(_q())
+    assert (o.policy, o.called, o.returned, o.human, o.judge) == (pol.JUDGE_ORACLE, ("b",), "b", 0.9, 3)
+    # the judge ties a and c at its top grade: the cheaper one (a) is its first, whatever the humans say
+    tied = QueryScores(_q().trace, {"a": 0.1, "b": 0.0, "c": 0.8}, {"a": 2, "b": 1, "c": 2})
+    o = pol.judge_oracle(tied)
+    assert (o.returned, o.human, o.cost_usd) == ("a", 0.1, pytest.approx(0.001))
+    assert pol.oracle(tied).human == 0.8  # the oracle sees the humans; the judge-oracle is bounded by the judge
+    assert pol.judge_oracle(_q(judge=False)).human is None  # no verdict: no pick, left out of the means
+    assert pol.JUDGE_ORACLE in pol.POLICIES

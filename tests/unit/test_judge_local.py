@@ -192,3 +192,28 @@ async def test_embedding_variant():
                          "surfaces of vehicles flying far faster than sound."),)
     scored = judge.scores(request(cand("A", OFF_TOPIC), cand("B", paraphrase)))
     assert scored["B"] > scored["A"]
+
+
+def test_embedding_cache_embeds_each_text_once_and_persists(tmp_path):
+    import numpy as np
+
+    from services.judge.backends.embed_cache import EmbeddingCache
+
+    calls: list[list[str]] = []
+
+    def encode(texts: list[str]) -> np.ndarray:
+        calls.append(list(texts))
+        return np.asarray([[len(t), 1.0] for t in texts], dtype=np.float32)
+
+    path = tmp_path / "e.sqlite"
+    cache = EmbeddingCache(path, "model-a")
+    out = cache.get_many(["ab", "abc", "ab"], encode)
+    assert out.tolist() == [[2, 1], [3, 1], [2, 1]] and calls == [["ab", "abc"]]
+    cache.get_many(["abc"], encode)
+    assert len(calls) == 1 and (cache.misses, cache.hits) == (2, 2)
+    cache.close()
+    again = EmbeddingCache(path, "model-a")  # a new process: read from disk, nothing re-embedded
+    assert again.get_many(["abc", "ab"], encode).tolist() == [[3, 1], [2, 1]] and len(calls) == 1
+    other = EmbeddingCache(path, "model-b")  # another model never sees model-a's vectors
+    other.get_many(["ab"], encode)
+    assert calls[-1] == ["ab"] and len(calls) == 2

@@ -41,6 +41,7 @@ from services.gateway.providers.config import DenseConfig, ProviderConfig
 from services.judge.base import (
     JudgeBackend, JudgeFailed, JudgeIdentity, JudgeRequest, JudgeResult, Source,
 )
+from services.judge.backends.embed_cache import EmbeddingCache, default_cache_path
 from services.judge.settings_local import LocalJudgeConfig
 
 LEXICAL_MODEL = "local-lexical-v1"
@@ -131,12 +132,15 @@ class LocalJudge(JudgeBackend):
         self.config = config or LocalJudgeConfig()
         self._model_path: Path | None = None
         self._model: idx.DenseModel | None = None
+        self._cache: EmbeddingCache | None = None
         self._start_lock = threading.Lock()
         if self.config.use_embeddings:
             self._model_path = judge_model_path(self.config)
             fingerprint = idx.model_fingerprint(self._model_path)  # ConfigError if missing
             self.identity = JudgeIdentity(kind="local",
                                           model=f"{EMBEDDING_MODEL_PREFIX}:{fingerprint[:12]}")
+            cache_path = None if self.config.embedding_cache == "off" else default_cache_path()
+            self._cache = EmbeddingCache(cache_path, f"{fingerprint}:{self.config.max_seq_length}")
         else:
             self.identity = JudgeIdentity(kind="local", model=LEXICAL_MODEL)
 
@@ -164,6 +168,17 @@ class LocalJudge(JudgeBackend):
             if self._model is None:
                 assert self._model_path is not None
                 self._model = idx.load_model(self._model_path, self.config.max_seq_length)
+
+    async def close(self) -> None:
+        """Close the embedding cache."""
+        if self._cache is not None:
+            self._cache.close()
+
+    @property
+    def embedding_stats(self) -> dict[str, int]:
+        """Source texts embedded vs found in the cache so far (the judge's cost driver)."""
+        c = self._cache
+        return {"embedded": c.misses, "cached": c.hits} if c is not None else {"embedded": 0, "cached": 0}
 
     async def judge(self, request: JudgeRequest) -> JudgeResult:
         """Grade every candidate and order them in tiers of equal grade."""
@@ -204,8 +219,10 @@ class LocalJudge(JudgeBackend):
         texts = list(dict.fromkeys(source_text(s) for srcs in shown for s in srcs))
         if not texts:
             return [0.0] * len(shown)
-        emb_nd = self._model.encode([query, *texts])
-        sims_n = np.clip(emb_nd[1:] @ emb_nd[0], 0.0, 1.0)
+        assert self._cache is not None
+        query_d = self._model.encode([query])[0]
+        sources_nd = self._cache.get_many(texts, self._model.encode)
+        sims_n = np.clip(sources_nd @ query_d, 0.0, 1.0)
         sim_of = {t: float(v) for t, v in zip(texts, sims_n)}
         top = self.config.top_sources
         return [discounted_mean([sim_of[source_text(s)] for s in srcs], top) for srcs in shown]

@@ -1,0 +1,133 @@
+"""Provider markets: the presets, the LSA and hybrid providers they use, and the twin guard against
+the default judge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.common.errors import ConfigError
+from services.common.splits import dev_half
+from services.gateway.providers import index as idx
+from services.gateway.providers.config import BM25Config, DenseConfig, HybridConfig, LSAConfig
+from services.gateway.providers.local import BM25Provider, HybridProvider, LSAProvider
+from services.gateway.providers.markets import DOMAINS, MARKETS, domain_of, federated, market, nested
+from services.gateway.settings import GatewaySettings
+from services.judge.settings import JudgeSettings
+from services.tools.replay import sample_queries
+
+
+def test_federated_is_the_default_and_nested_is_the_old_five():
+    assert GatewaySettings().providers == federated() == JudgeSettings().providers
+    assert [p.name for p in GatewaySettings(market="nested").providers] == [
+        "bm25-all", "dense-all", "bio-dense", "lib-bm25", "eng-bm25"]
+    assert JudgeSettings(market="nested").providers == nested()
+    explicit = [BM25Config(name="only")]
+    assert GatewaySettings(market="nested", providers=explicit).providers == explicit  # a list beats the preset
+    with pytest.raises(ValueError):
+        GatewaySettings(market="bazaar")
+
+
+def test_federated_shape_verticals_deep_and_cheap_generalists_shallow_and_dear():
+    providers = {p.name: p for p in federated()}
+    verticals = [p for p in providers.values() if isinstance(p, HybridConfig)]
+    generalists = [p for p in providers.values() if not isinstance(p, HybridConfig)]
+    assert sorted(v.name for v in verticals) == sorted(DOMAINS)
+    for v in verticals:
+        assert v.collections == DOMAINS[v.name] and v.lead_chars is None  # the full text of one domain
+    covered = sorted(c for v in verticals for c in v.collections)
+    assert covered == sorted(set(covered)) and len(covered) == 8  # the domains partition the collections
+    assert len(generalists) == 2 and len({type(g) for g in generalists}) == 2  # one method each
+    for g in generalists:
+        assert len(g.collections) == 8 and g.lead_chars is not None  # everything, shallowly
+        assert g.cost_usd > max(v.cost_usd for v in verticals)
+    assert not any(isinstance(p, DenseConfig) for p in providers.values())  # no model shared with the judge
+    assert domain_of("scifact") == "biomed" and set(MARKETS) == {"federated", "nested"}
+
+
+def test_dev_halves_split_the_queries_in_two_fixed_halves():
+    ids = [q.query_id for q in sample_queries()]
+    tune = [i for i in ids if dev_half(i) == "tune"]
+    assert 0.4 < len(tune) / len(ids) < 0.6 and dev_half(ids[0]) == dev_half(ids[0])
+
+
+def test_twin_guard_passes_the_default_judge_in_federated_and_refuses_it_in_nested():
+    from services.judge.__main__ import guard
+    from services.judge.settings_local import LocalJudgeConfig
+
+    guard(JudgeSettings())  # no federated provider embeds with MiniLM
+    assert JudgeSettings().judge.use_embeddings
+    with pytest.raises(ConfigError, match=r"dense-all.*bio-dense|bio-dense.*dense-all"):
+        guard(JudgeSettings(market="nested"))
+    guard(JudgeSettings(market="nested", judge=LocalJudgeConfig()))  # the lexical judge has no arm there
+    twin = [*federated(), DenseConfig(name="web-dense", cost_usd=0.005)]  # a provider adds MiniLM: refused
+    with pytest.raises(ConfigError, match="web-dense"):
+        guard(JudgeSettings(providers=twin))
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("idx")
+
+
+async def started(provider):
+    await provider.start()
+    return provider
+
+
+async def test_lsa_finds_documents_that_share_no_term_with_the_query(cache: Path):
+    lsa = await started(LSAProvider(LSAConfig(name="lsa", collections=("med",), dim=64), cache_dir=cache))
+    bm25 = await started(BM25Provider(BM25Config(name="b", collections=("med",)), cache_dir=cache))
+    ans = await lsa.search("cancer tumour chemotherapy")
+    assert len(ans.citations) == 10 and all(c.url.startswith("collection://med/") for c in ans.citations)
+    scores = [c.score for c in ans.citations]
+    assert scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1.0001
+    # documents without any of the query's (stemmed) terms are found too: BM25 cannot do that
+    from services.gateway.providers.collections import default_collections_dir, load_corpus, parse_doc_url
+
+    text = {d.doc_id: f"{d.title} {d.text}" for d in load_corpus(default_collections_dir(), "med")}
+    from services.gateway.providers.collections import load_queries
+
+    hits = 0
+    for q in load_queries(default_collections_dir(), "med"):
+        wanted = set(idx.query_terms(q.text))
+        cites = (await lsa.search(q.text)).citations
+        hits += sum(not wanted & set(idx.query_terms(text[parse_doc_url(c.url).doc_id])) for c in cites)
+    assert hits > 0, "LSA should rank some documents that contain none of the query terms"
+    assert (await lsa.search("zzzz qqqq")).citations == () and (await bm25.search("zzzz")).citations == ()
+
+
+async def test_hybrid_fuses_bm25_and_lsa_and_is_cached(cache: Path):
+    cfg = HybridConfig(name="h", collections=("med",), dim=64, lsa_weight=0.5)
+    hybrid = await started(HybridProvider(cfg, cache_dir=cache))
+    pure = await started(HybridProvider(cfg.model_copy(update={"lsa_weight": 0.0}), cache_dir=cache))
+    assert pure.index_builds == 0  # same indexes, only the fusion weight differs
+    q = "the crystalline lens in vertebrates, including humans"
+    lexical = idx.bm25_scores(pure._retriever, q)
+    assert np.allclose(pure._scores(q), lexical / lexical.max())
+    fused = hybrid._scores(q)
+    assert np.all(fused >= pure._scores(q) - 1e-6) and not np.allclose(fused, pure._scores(q))
+
+
+async def test_shallow_index_reads_only_the_lead(cache: Path):
+    from services.gateway.providers.collections import load_corpus
+
+    from services.gateway.providers.collections import default_collections_dir
+
+    idx_dir = default_collections_dir()
+    docs = list(load_corpus(idx_dir, "med"))
+    deep_word = next(w for d in docs for w in d.text[400:].split() if len(w) > 12 and w.isalpha()
+                     and all(w not in x.title + x.text[:200] for x in docs))
+    shallow = await started(BM25Provider(BM25Config(name="s", collections=("med",), lead_chars=200), cache_dir=cache))
+    deep = await started(BM25Provider(BM25Config(name="d", collections=("med",)), cache_dir=cache))
+    assert (await shallow.search(deep_word)).citations == ()
+    assert (await deep.search(deep_word)).citations
+    assert idx.lead("one two three four", 9) == "one two" and idx.lead("short", None) == "short"
+    assert idx_dir.is_dir()
+
+
+def test_market_presets_are_fresh_lists():
+    a, b = market("federated"), market("federated")
+    assert a == b and a is not b
