@@ -291,10 +291,10 @@ def test_bad_routing_settings_are_clear_errors(routing, deadline_s, match):
 
 def test_routing_settings_from_env(monkeypatch):
     for key, value in {"ENABLED": "true", "ROUTER_URL": "http://sampler:8001", "FANOUT_FRACTION": "0.25",
-                       "FALLBACK_PROVIDER": "bm25-all", "MAX_ATTEMPTS": "3", "GROUP_ID": "gw-1"}.items():
+                       "FALLBACK_PROVIDER": "web-lexical", "MAX_ATTEMPTS": "3", "GROUP_ID": "gw-1"}.items():
         monkeypatch.setenv(f"FANROUTE_ROUTING__{key}", value)
     r = GatewaySettings().routing
     assert (r.enabled, r.router_url, r.fanout_fraction, r.fallback_provider, r.max_attempts, r.consumer_group) == (
-        True, "http://sampler:8001", 0.25, "bm25-all", 3, "gw-1")
+        True, "http://sampler:8001", 0.25, "web-lexical", 3, "gw-1")
     assert RoutingSettings().consumer_group.startswith("fanroute-gateway.")
     assert all(f.description for f in RoutingSettings.model_fields.values())
