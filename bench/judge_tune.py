@@ -6,13 +6,14 @@ tau-b against the qrels-derived human orderings on the tuning half (``services.c
 The validation half only gets the chosen setting's figure, printed for information: it chose
 nothing. The chosen values go into ``services/judge/settings_local.py``.
 
-    python bench/judge_tune.py
+    python bench/judge_tune.py [TOP_SOURCES]
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from services.judge.backends.local import LocalJudge, grade_of, tiers_by_grade  
 from services.judge.blind import blind  # noqa: E402
 from services.judge.calibrate import offline_traces  # noqa: E402
 from services.judge.calibration.human import QrelsStore, human_grades  # noqa: E402
-from services.judge.calibration.metrics import TracePair, agreement_report  # noqa: E402
+from services.judge.calibration.metrics import TracePair, agreement_report, tiers_tau  # noqa: E402
 from services.judge.settings_local import LocalJudgeConfig  # noqa: E402
 
 WEIGHTS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -33,12 +34,17 @@ COARSE = tuple(round(0.1 * i, 2) for i in range(1, 9))
 
 
 def tau(rows, w: float, cuts) -> float:
-    """tau-b (judge all tied = 0) of the judge with weight ``w`` and ``cuts`` against the humans."""
-    pairs = []
+    """The gate's tau-b (mean over traces whose human ordering has two tiers or more, an all-tied judge
+    counting 0) of the judge with weight ``w`` and ``cuts``; the same figure ``agreement_report`` gives,
+    without its per-provider tallies (quadratic in the pooled pairs, too slow for a grid)."""
+    taus = []
     for tid, names, lex, cos, human in rows:
+        if len(human) < 2:
+            continue
         grades = {n: grade_of((1 - w) * a + w * b, cuts) for n, a, b in zip(names, lex, cos)}
-        pairs.append(TracePair(tid, tiers_by_grade(grades), human))
-    return agreement_report(pairs).overall.tau_informative
+        t = tiers_tau(tiers_by_grade(grades), human)
+        taus.append(0.0 if math.isnan(t) else t)
+    return sum(taus) / len(taus)
 
 
 def search(rows, weights) -> tuple[float, float, tuple[float, float, float]]:
@@ -52,7 +58,8 @@ def search(rows, weights) -> tuple[float, float, tuple[float, float, float]]:
 
 async def main() -> None:
     traces = await offline_traces(market("federated"), n=None, seed=0, contested_threshold=0.1)
-    judge = LocalJudge(LocalJudgeConfig(use_embeddings=True))
+    top = int(sys.argv[1]) if len(sys.argv) > 1 else LocalJudgeConfig().top_sources
+    judge = LocalJudge(LocalJudgeConfig(use_embeddings=True, top_sources=top))
     await judge.start()
     store, rows = QrelsStore(), {"tune": [], "validation": []}
     t0 = time.perf_counter()
@@ -72,6 +79,11 @@ async def main() -> None:
     print(f"scored {sum(map(len, rows.values()))} traces in {time.perf_counter() - t0:.0f}s "
           f"({judge.embedding_stats})", flush=True)
     score, w, cuts = search(rows["tune"], WEIGHTS)
+    for half in ("tune", "validation"):  # cross-check the fast figure against the full report
+        pairs = [TracePair(tid, tiers_by_grade({n: grade_of((1 - w) * a + w * b, cuts)
+                                                for n, a, b in zip(names, lex, cos)}), human)
+                 for tid, names, lex, cos, human in rows[half]]
+        assert abs(agreement_report(pairs).overall.tau_informative - tau(rows[half], w, cuts)) < 1e-9
     print(f"chosen on the tuning half ({len(rows['tune'])} traces): embedding_weight={w} thresholds={cuts} "
           f"tau-b {score:.3f}; validation half ({len(rows['validation'])} traces): "
           f"{tau(rows['validation'], w, cuts):.3f}")

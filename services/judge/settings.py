@@ -19,8 +19,9 @@ JudgeConfig = Annotated[Union[LocalJudgeConfig, OpenAIJudgeConfig, AnthropicJudg
 
 
 def default_judge() -> LocalJudgeConfig:
-    """The local judge blending lexical and MiniLM evidence, cut points from ``bench/judge_tune.py``."""
-    return LocalJudgeConfig(use_embeddings=True)
+    """The local judge on MiniLM evidence: weight, cut points and sources per candidate chosen by
+    ``bench/judge_tune.py 3`` on the tuning half (0.9: cosine with a little lexical coverage)."""
+    return LocalJudgeConfig(use_embeddings=True, embedding_weight=0.9, top_sources=3)
 
 
 class JudgeSettings(ServiceSettings):

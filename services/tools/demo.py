@@ -160,19 +160,24 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
     worker = asyncio.create_task(run(settings, stop))
     builder = asyncio.create_task(run_builder(EpisodeSettings(kafka=kafka, redis=settings.redis), stop))
     got: dict[str, Verdict] = {}
+    # a first run embeds every source it reads (about 0.5 s a trace on 2 cores); later runs reuse the cache
+    budget_s = max(180.0, 1.5 * len(wanted))
+    bar = tqdm(total=len(wanted), desc="verdicts", unit="trace")
     try:
         try:
-            async with asyncio.timeout(180):
-                async for v in read_messages(kafka, topic("verdicts"), Verdict, idle_s=180, since=since):
-                    if v.verdict_id in wanted:
+            async with asyncio.timeout(budget_s):
+                async for v in read_messages(kafka, topic("verdicts"), Verdict, idle_s=budget_s, since=since):
+                    if v.verdict_id in wanted and v.verdict_id not in got:
                         got[v.verdict_id] = v
+                        bar.update(1)
                         if len(got) <= 3:
                             tqdm.write(f"  {v.trace_id[:12]} {v.sampled_because:<9} " + " > ".join(
                                 " = ".join(tier) for tier in v.ordering))
                     if len(got) == len(wanted):
                         break
         except TimeoutError:
-            print(f"      only {len(got)} of {len(wanted)} verdicts arrived within 180 s")
+            print(f"      only {len(got)} of {len(wanted)} verdicts arrived within {budget_s:.0f} s")
+        bar.close()
         n_ok = sum(v.status == "ok" for v in got.values())
         episodes, tasks = await _episodes(kafka, {t.trace_id for t in traces}, n_ok, out_dir)
     finally:

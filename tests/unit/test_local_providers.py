@@ -27,7 +27,7 @@ from services.gateway.providers.config import (
     ALL_COLLECTIONS, BM25Config, DenseConfig, LatencyModel, SyntheticConfig,
 )
 from services.gateway.providers.local import (
-    BM25Provider, DenseProvider, SyntheticProvider, simulated_latency_ms, synthetic_doc_ids, top_k,
+    SNIPPET_CHARS, BM25Provider, DenseProvider, SyntheticProvider, simulated_latency_ms, synthetic_doc_ids, top_k,
 )
 
 # Document counts from MANIFEST.md (the corpora are complete; queries are a development subset).
@@ -273,7 +273,7 @@ async def test_bm25_answer_shape(tmp_path: Path) -> None:
     assert all(parse_doc_url(c.url).collection == "cranfield" for c in cites)
     assert all(c.score is not None and c.score > 0 for c in cites)
     assert [c.score for c in cites] == sorted((c.score for c in cites), reverse=True)
-    assert all(0 < len(c.snippet) <= 300 and c.title for c in cites)
+    assert all(0 < len(c.snippet) <= SNIPPET_CHARS and c.title for c in cites)
     assert answer.answer == build_answer(cites)
     assert answer.cost_usd == 0.002
     assert "lift" in cites[0].snippet

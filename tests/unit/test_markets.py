@@ -131,3 +131,28 @@ async def test_shallow_index_reads_only_the_lead(cache: Path):
 def test_market_presets_are_fresh_lists():
     a, b = market("federated"), market("federated")
     assert a == b and a is not b
+
+
+def test_market_table_rows_and_targets_from_per_query_scores():
+    from services.tools.market import QueryRow, table, targets
+
+    cost = {"v1": 0.001, "v2": 0.001, "gen": 0.003}
+
+    def row(qid: str, domain: str, v1: float, v2: float, gen: float, judge_top=("gen",)) -> QueryRow:
+        return QueryRow(qid, domain, "tune", {"v1": v1, "v2": v2, "gen": gen}, cost, judge_top)
+
+    rows = [row("a/1", "d1", 0.8, 0.0, 0.5, ("v1", "gen")), row("a/2", "d1", 0.6, 0.0, 0.6),
+            row("b/1", "d2", 0.0, 0.9, 0.5), row("b/2", "d2", 0.0, 0.3, 0.4, ("v2",))]
+    by = {r.policy.split(" (")[0]: r for r in table(rows, rows)}
+    assert by["best single"].picks == {"*": "gen"} and by["best single"].ndcg == pytest.approx(0.5)
+    assert by["per-domain best"].picks == {"d1": "v1", "d2": "v2"}
+    assert by["per-domain best"].ndcg == pytest.approx((0.8 + 0.6 + 0.9 + 0.3) / 4)
+    assert by["per-domain best"].cost_usd == pytest.approx(0.001)
+    # oracle: per query the best, ties (a/2: v1 = gen = 0.6) to the cheaper
+    assert by["oracle"].ndcg == pytest.approx((0.8 + 0.6 + 0.9 + 0.4) / 4)
+    # judge-oracle: the judge's first tier, cheapest inside it (a/1: v1 over gen), scored on the humans
+    assert by["judge-oracle"].ndcg == pytest.approx((0.8 + 0.6 + 0.5 + 0.3) / 4)
+    t = targets(table(rows, rows))
+    assert t["per_domain_over_single"] == pytest.approx(0.65 / 0.5) and t["met"] is True
+    flat = [row("a/1", "d1", 0.5, 0.0, 0.5), row("b/1", "d2", 0.0, 0.5, 0.5)]
+    assert targets(table(flat, flat))["met"] is False  # nothing to win: the generalist ties everywhere

@@ -30,7 +30,7 @@ from services.gateway.providers.config import (
 )
 from services.gateway.providers.lsa import LSAIndex, build_lsa, lsa_params
 
-SNIPPET_CHARS = 300
+SNIPPET_CHARS = 600  # what the judge reads of each source; 300 left it grading the generalists by the very lead they indexed
 SYNTHETIC_COLLECTION = "synthetic"
 
 Corpora = Mapping[str, tuple[Doc, ...]]
