@@ -212,7 +212,7 @@ async def _calibration_gate(kafka: KafkaSettings, backend, traces: list[Trace], 
     val = [t for t in traces if t.trace_id in judged and dev_half(t.query_id or "") == "validation"]
     report = against_qrels(val, judged)
     names = [p.name for p in providers if p.enabled]
-    record = record_for(report, backend, names, source="qrels (validation half of the dev queries)", threshold=0.7)
+    record = record_for(report, backend, names, source="qrels", threshold=0.7)  # validation half only
     print(render_report(report, "the judge vs the human qrels on the validation half (the gate's figure)"))
     bus = Bus(kafka, client_id="fanroute-demo-calibrate")
     await bus.start((topic("calibrations"),))

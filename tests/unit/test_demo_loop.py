@@ -50,3 +50,26 @@ def test_demo_refuses_bad_arguments(capsys):
     assert main(["demo", "--queries", "3"]) == 2
     assert main(["demo", "--held-out", "0.99"]) == 2
     assert "--held-out" in capsys.readouterr().err
+
+
+async def test_the_demo_gate_is_computed_on_the_validation_half_and_published():
+    from schemas.calibration import CalibrationRecord
+    from services.common.settings import KafkaSettings
+    from services.common.splits import dev_half
+    from services.judge.backends.local import LocalJudge
+    from services.tools.demo import _calibration_gate
+
+    kafka = KafkaSettings(bootstrap_servers="memory://")
+    traces = [adi_trace(q, trace_id=f"t-{q}") for q in sorted(adi()[0], key=int)]
+    right = {t.trace_id: (("good", "flaky"), ("cheap",)) for t in traces}  # agrees with the qrels
+    wrong = {t.trace_id: (("cheap",), ("good", "flaky")) for t in traces}  # the reverse
+    # the judge is right on the validation half and wrong on the tuning half: only the first may count
+    judged = {tid: right[tid] if dev_half(t.query_id or "") == "validation" else wrong[tid]
+              for t in traces for tid in [t.trace_id]}
+    record = await _calibration_gate(kafka, LocalJudge(), traces, judged, [])  # published on the in-memory bus
+    n_val = sum(dev_half(t.query_id or "") == "validation" for t in traces)
+    assert record.open and record.tau_b > 0.7 and 0 < record.n <= n_val < len(traces)
+    assert isinstance(record, CalibrationRecord) and record.human_source == "qrels"
+    from services.judge.calibrate import against_qrels
+
+    assert against_qrels(traces, judged).overall.tau_informative < 0.5  # all traces would have counted the wrong half
