@@ -156,3 +156,29 @@ def test_market_table_rows_and_targets_from_per_query_scores():
     assert t["per_domain_over_single"] == pytest.approx(0.65 / 0.5) and t["met"] is True
     flat = [row("a/1", "d1", 0.5, 0.0, 0.5), row("b/1", "d2", 0.0, 0.5, 0.5)]
     assert targets(table(flat, flat))["met"] is False  # nothing to win: the generalist ties everywhere
+
+
+def test_market_cli_refuses_an_unknown_market(capsys: pytest.CaptureFixture) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["market", "--market", "bazaar"])
+    assert exc.value.code == 2 and "bazaar" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_market_cli_prints_and_writes_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    from services.cli import main
+
+    monkeypatch.setenv("FANROUTE_JUDGE", '{"type": "local"}')  # the lexical judge: no model to load here
+    assert main(["market", "--market", "federated", "--queries", "40", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "market 'federated': " in out and "per-domain best" in out and "judge-oracle" in out
+    report = json.loads((tmp_path / "market.json").read_text())["federated"]
+    rows = {r["policy"].split(" (")[0]: r for r in report["all"]}
+    assert set(rows) >= {"aero", "web-lexical", "best single", "per-domain best", "oracle", "judge-oracle"}
+    assert rows["oracle"]["ndcg"] >= rows["per-domain best"]["ndcg"] >= 0
+    assert (tmp_path / "market.png").stat().st_size > 10_000
