@@ -182,10 +182,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print and write the table of each market; 0 when every market was measured."""
+    from services.common.errors import FanrouteError
+
     names = MARKETS if args.market == "all" else (args.market,)
     report = {}
     for name in names:
-        rows, note = asyncio.run(measure(name, limit=args.queries, with_judge=not args.no_judge))
+        try:
+            rows, note = asyncio.run(measure(name, limit=args.queries, with_judge=not args.no_judge))
+        except FanrouteError as exc:  # e.g. a collections folder that is not there
+            print(f"fanroute market {name}: {exc}", file=sys.stderr)
+            return 2
+        if not rows:
+            print(f"fanroute market {name}: no dev query with qrels was fanned out", file=sys.stderr)
+            return 2
         tune = [q for q in rows if q.half == "tune"]
         val = [q for q in rows if q.half == "validation"]
         all_rows, val_rows = table(rows, rows), table(val, tune)

@@ -182,3 +182,12 @@ def test_market_cli_prints_and_writes_the_table(tmp_path: Path, monkeypatch: pyt
     assert set(rows) >= {"aero", "web-lexical", "best single", "per-domain best", "oracle", "judge-oracle"}
     assert rows["oracle"]["ndcg"] >= rows["per-domain best"]["ndcg"] >= 0
     assert (tmp_path / "market.png").stat().st_size > 10_000
+
+
+def test_market_cli_names_a_missing_collections_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    from services.cli import main
+
+    monkeypatch.setenv("FANROUTE_COLLECTIONS_DIR", str(tmp_path / "nowhere"))
+    assert main(["market", "--market", "federated", "--no-judge", "--out", str(tmp_path)]) == 2
+    assert "nowhere" in capsys.readouterr().err and not (tmp_path / "market.json").exists()
