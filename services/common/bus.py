@@ -164,6 +164,16 @@ def dead_letter_from_record(record: Any) -> DeadLetter:
                       original=record.value or b"", original_key=record.key)
 
 
+async def publish_once(settings: KafkaSettings, spec: TopicSpec, message: Message, *, client_id: str) -> None:
+    """Publish one message with a short-lived bus (for commands, not services)."""
+    bus = Bus(settings, client_id=client_id)
+    await bus.start((spec,))
+    try:
+        await bus.publish(spec, message)
+    finally:
+        await bus.stop()
+
+
 async def ensure_topics(settings: KafkaSettings, topics: list[tuple[str, TopicSpec]]) -> None:
     """Create each topic and its DLQ with the registry's partitions and retention, if missing."""
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic

@@ -23,13 +23,12 @@ def default_providers() -> list[ProviderConfig]:
     return market(DEFAULT_MARKET)
 
 
-def resolve_providers(settings: object) -> None:
-    """Providers in force: the file's if named, else an explicit list, else the ``market`` preset's."""
-    fields_set = getattr(settings, "model_fields_set")
-    if getattr(settings, "providers_file") is not None:
-        object.__setattr__(settings, "providers", load_providers_file(getattr(settings, "providers_file")))
-    elif "providers" not in fields_set:
-        object.__setattr__(settings, "providers", market(getattr(settings, "market")))
+def providers_in_force(providers: list[ProviderConfig], *, explicit: bool, providers_file: Path | None,
+                       market_name: MarketName) -> list[ProviderConfig]:
+    """The file's providers if one is named, else an explicitly given list, else the market preset's."""
+    if providers_file is not None:
+        return load_providers_file(providers_file)
+    return providers if explicit else market(market_name)
 
 
 _PROVIDERS = TypeAdapter(list[ProviderConfig])
@@ -100,7 +99,9 @@ class GatewaySettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _load_file_and_check(self) -> GatewaySettings:
-        resolve_providers(self)
+        object.__setattr__(self, "providers", providers_in_force(
+            self.providers, explicit="providers" in self.model_fields_set, providers_file=self.providers_file,
+            market_name=self.market))
         names = [p.name for p in self.providers]
         if len(names) != len(set(names)):
             raise ValueError(f"provider names must be unique, got {names}")

@@ -141,14 +141,9 @@ async def _gate(settings, args) -> int:
 
 async def _publish(settings, *, topic_name: str, message) -> None:
     from schemas.topics import topic
-    from services.common.bus import Bus
+    from services.common.bus import publish_once
 
-    bus = Bus(settings.kafka, client_id="fanroute-calibrate")
-    await bus.start((topic(topic_name),))
-    try:
-        await bus.publish(topic(topic_name), message)
-    finally:
-        await bus.stop()
+    await publish_once(settings.kafka, topic(topic_name), message, client_id="fanroute-calibrate")
 
 
 _ACTIONS = {"report": _report, "export": _export, "import": _import, "mark": _mark, "gate": _gate}

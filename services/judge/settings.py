@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from services.common.settings import ServiceSettings
 from services.gateway.providers.config import ProviderConfig
 from services.gateway.providers.markets import DEFAULT_MARKET, MarketName
-from services.gateway.settings import default_providers, resolve_providers
+from services.gateway.settings import default_providers, providers_in_force
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
 from services.judge.settings_local import LocalJudgeConfig
 
@@ -42,7 +42,9 @@ class JudgeSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _load_file(self) -> JudgeSettings:
-        resolve_providers(self)
+        object.__setattr__(self, "providers", providers_in_force(
+            self.providers, explicit="providers" in self.model_fields_set, providers_file=self.providers_file,
+            market_name=self.market))
         return self
 
 

@@ -204,7 +204,7 @@ async def _calibration_gate(kafka: KafkaSettings, backend, traces: list[Trace], 
     """The gate record from the judge's agreement with the qrels on the *validation half* only (its cut
     points were chosen on the tuning half), published on ``calibrations`` where the trainer looks."""
     from schemas import topic
-    from services.common.bus import Bus
+    from services.common.bus import publish_once
     from services.common.splits import dev_half
     from services.judge.calibrate import against_qrels, record_for
     from services.judge.calibration.metrics import render_report
@@ -214,12 +214,7 @@ async def _calibration_gate(kafka: KafkaSettings, backend, traces: list[Trace], 
     names = [p.name for p in providers if p.enabled]
     record = record_for(report, backend, names, source="qrels", threshold=0.7)  # validation half only
     print(render_report(report, "the judge vs the human qrels on the validation half (the gate's figure)"))
-    bus = Bus(kafka, client_id="fanroute-demo-calibrate")
-    await bus.start((topic("calibrations"),))
-    try:
-        await bus.publish(topic("calibrations"), record)
-    finally:
-        await bus.stop()
+    await publish_once(kafka, topic("calibrations"), record, client_id="fanroute-demo-calibrate")
     print(f"      calibration gate: tau-b {record.tau_b} vs {record.threshold} -> "
           f"{'OPEN' if record.open else 'CLOSED'} (published on the calibrations topic)", flush=True)
     return record

@@ -15,7 +15,7 @@ import argparse
 import asyncio
 import json
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +50,11 @@ class Row:
     ndcg: float
     cost_usd: float
     picks: dict[str, str] = field(default_factory=dict)
+    key: str = ""  # stable name of the row ("best single", "oracle", ...); the provider's for a provider row
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            object.__setattr__(self, "key", self.policy)
 
 
 def cheapest(names: Sequence[str], cost: Mapping[str, float]) -> str:
@@ -74,7 +79,7 @@ def table(rows: Sequence[QueryRow], choose_on: Sequence[QueryRow]) -> list[Row]:
     mean_on = lambda qs, p: _mean([q.ndcg[p] for q in qs])  # noqa: E731
     out = [Row(p, mean_on(rows, p), cost[p]) for p in providers]
     single = best_of({p: mean_on(choose_on, p) for p in providers}, cost)
-    out.append(Row(f"best single ({single})", mean_on(rows, single), cost[single], {"*": single}))
+    out.append(Row(f"best single ({single})", mean_on(rows, single), cost[single], {"*": single}, "best single"))
     picks = {}
     for d in sorted({q.domain for q in choose_on}):
         qs = [q for q in choose_on if q.domain == d]
@@ -84,18 +89,18 @@ def table(rows: Sequence[QueryRow], choose_on: Sequence[QueryRow]) -> list[Row]:
                    _mean([cost[picks[q.domain]] for q in routed]), picks))
     oracle = [best_of(q.ndcg, cost) for q in rows]
     out.append(Row("oracle (best per query)", _mean([q.ndcg[p] for q, p in zip(rows, oracle)]),
-                   _mean([cost[p] for p in oracle])))
+                   _mean([cost[p] for p in oracle]), key="oracle"))
     judged = [q for q in rows if q.judge_top]
     if judged:
         jpick = [cheapest(q.judge_top, cost) for q in judged]
-        out.append(Row("judge-oracle (judge's first, cost-aware)",
-                       _mean([q.ndcg[p] for q, p in zip(judged, jpick)]), _mean([cost[p] for p in jpick])))
+        out.append(Row("judge-oracle (judge's first, cost-aware)", _mean([q.ndcg[p] for q, p in zip(judged, jpick)]),
+                       _mean([cost[p] for p in jpick]), key="judge-oracle"))
     return out
 
 
 def targets(rows: Sequence[Row]) -> dict[str, float | bool]:
     """The three figures a routable market must reach, from one table."""
-    by = {r.policy.split(" (")[0]: r for r in rows}
+    by = {r.key: r for r in rows}
     single, domain, oracle = by["best single"], by["per-domain best"], by["oracle"]
     return {"per_domain_over_single": domain.ndcg / single.ndcg, "oracle_over_single": oracle.ndcg / single.ndcg,
             "cheapest_routing_cost_usd": min(domain.cost_usd, oracle.cost_usd), "best_single_cost_usd": single.cost_usd,
@@ -105,13 +110,13 @@ def targets(rows: Sequence[Row]) -> dict[str, float | bool]:
 
 def render(title: str, all_rows: Sequence[Row], val_rows: Sequence[Row]) -> str:
     """Both tables side by side: all dev queries, and the validation half (choices on the tuning half)."""
-    val = {r.policy.split(" (")[0]: r for r in val_rows}
+    val = {r.key: r for r in val_rows}
     lines = [title, f"{'policy':<44} {'nDCG@10 all':>11} {'val half':>9} {'cost/q $':>9}", "-" * 77]
     for r in all_rows:
-        v = val.get(r.policy.split(" (")[0])
+        v = val.get(r.key)
         vtxt = f"{v.ndcg:.3f}" if v is not None else "-"
         lines.append(f"{r.policy:<44} {r.ndcg:>11.3f} {vtxt:>9} {r.cost_usd:>9.4f}")
-    picks = next(r.picks for r in all_rows if r.policy == "per-domain best")
+    picks = next(r.picks for r in all_rows if r.key == "per-domain best")
     lines.append("per-domain picks (all): " + ", ".join(f"{d}->{p}" for d, p in picks.items()))
     for name, rows in (("all dev queries", all_rows), ("validation half", val_rows)):
         t = targets(rows)
@@ -139,8 +144,7 @@ def query_rows(traces: Sequence[Trace], judge_tiers: Mapping[str, Sequence[Seque
     return out
 
 
-async def measure(name: str, *, limit: int | None, with_judge: bool,
-                  progress: Callable[[str], None] = print) -> tuple[list[QueryRow], str | None]:
+async def measure(name: str, *, limit: int | None, with_judge: bool) -> tuple[list[QueryRow], str | None]:
     """Fan out ``name``'s market, judge it with the default judge (unless refused), and return the rows."""
     from services.common.errors import ConfigError
     from services.judge import calibrate as cal

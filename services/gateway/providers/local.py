@@ -91,7 +91,7 @@ class LocalIndexProvider(Provider):
     #: Drop documents scoring <= 0 (for BM25 they share no term with the query).
     positive_only: ClassVar[bool] = False
 
-    def __init__(self, config: BM25Config | DenseConfig, *,
+    def __init__(self, config: BM25Config | LSAConfig | HybridConfig | DenseConfig, *,
                  collections_dir: Path | str | None = None,
                  cache_dir: Path | str | None = None) -> None:
         super().__init__(config.name, cost_usd=config.cost_usd, timeout_s=config.timeout_s,
@@ -186,22 +186,11 @@ class LocalIndexProvider(Provider):
         return _answer(citations, self.cost_usd, meta)
 
 
-class BM25Provider(LocalIndexProvider):
-    """BM25 (bm25s, English Snowball stemmer and stopwords) over the union of its collections."""
+class LexicalIndexProvider(LocalIndexProvider):
+    """Providers over one index of the union of their collections' (full or lead) text: BM25, LSA, both."""
 
-    kind = "bm25"
-    positive_only = True
-    config: BM25Config
-
-    def __init__(self, config: BM25Config, *, collections_dir: Path | str | None = None,
-                 cache_dir: Path | str | None = None) -> None:
-        super().__init__(config, collections_dir=collections_dir, cache_dir=cache_dir)
-        self._retriever: object | None = None
-
-    def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
-        """One index over all collections, since BM25's IDF depends on the whole corpus."""
-        self._retriever, rows = self._bm25(directory, corpora, self.config.k1, self.config.b)
-        return rows
+    positive_only = True  # BM25 <= 0 shares no term with the query; an LSA cosine <= 0 is no answer
+    config: BM25Config | LSAConfig | HybridConfig
 
     def _docs_of(self, corpora: Corpora) -> list[Doc]:
         return [d for name in self.collections for d in corpora[name]]
@@ -218,16 +207,32 @@ class BM25Provider(LocalIndexProvider):
         path = self._ensure(key, lambda tmp: build_lsa(tmp, docs, dim=dim, lead_chars=lead))
         return LSAIndex.load(path), idx.read_doc_keys(path)
 
+
+class BM25Provider(LexicalIndexProvider):
+    """BM25 (bm25s, English Snowball stemmer and stopwords) over the union of its collections."""
+
+    kind = "bm25"
+    config: BM25Config
+
+    def __init__(self, config: BM25Config, *, collections_dir: Path | str | None = None,
+                 cache_dir: Path | str | None = None) -> None:
+        super().__init__(config, collections_dir=collections_dir, cache_dir=cache_dir)
+        self._retriever: object | None = None
+
+    def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
+        """One index over all collections, since BM25's IDF depends on the whole corpus."""
+        self._retriever, rows = self._bm25(directory, corpora, self.config.k1, self.config.b)
+        return rows
+
     def _scores(self, query: str) -> np.ndarray | None:
         return idx.bm25_scores(self._retriever, query)
 
 
-class LSAProvider(BM25Provider):
+class LSAProvider(LexicalIndexProvider):
     """Latent semantic indexing over the union of its collections (see :mod:`.lsa`)."""
 
     kind = "lsa"
-    positive_only = True  # a document at cosine <= 0 is not an answer
-    config: LSAConfig  # type: ignore[assignment]
+    config: LSAConfig
 
     def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
         self._lsa_index, rows = self._lsa(directory, corpora, self.config.dim)
@@ -237,7 +242,7 @@ class LSAProvider(BM25Provider):
         return self._lsa_index.scores(query)
 
 
-class HybridProvider(BM25Provider):
+class HybridProvider(LexicalIndexProvider):
     """BM25 and LSA over the same documents, fused: ``bm25 / max(bm25) + w * max(cosine, 0)``.
 
     Max-normalising BM25 puts both parts on [0, 1] per query, so one weight means the same thing for
@@ -245,7 +250,7 @@ class HybridProvider(BM25Provider):
     """
 
     kind = "hybrid"
-    config: HybridConfig  # type: ignore[assignment]
+    config: HybridConfig
 
     def _load_index(self, directory: Path, corpora: Corpora) -> RowKeys:
         self._retriever, rows = self._bm25(directory, corpora, self.config.k1, self.config.b)
