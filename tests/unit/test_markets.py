@@ -191,3 +191,35 @@ def test_market_cli_names_a_missing_collections_folder(tmp_path: Path, monkeypat
     monkeypatch.setenv("FANROUTE_COLLECTIONS_DIR", str(tmp_path / "nowhere"))
     assert main(["market", "--market", "federated", "--no-judge", "--out", str(tmp_path)]) == 2
     assert "nowhere" in capsys.readouterr().err and not (tmp_path / "market.json").exists()
+
+
+def test_a_providers_file_with_bad_new_fields_is_refused_naming_the_field(tmp_path: Path) -> None:
+    from services.gateway.settings import load_providers_file
+
+    cases = {'type = "lsa"\nname = "s"\ndim = 0': "dim",
+             'type = "hybrid"\nname = "h"\nlsa_weight = -1': "lsa_weight",
+             'type = "bm25"\nname = "b"\nlead_chars = 5': "lead_chars",
+             'type = "lsa"\nname = "s"\nsnippets = 3': "snippets"}
+    for body, field_name in cases.items():
+        path = tmp_path / "p.toml"
+        path.write_text("[[providers]]\n" + body + "\n")
+        with pytest.raises(ConfigError, match=field_name):
+            load_providers_file(path)
+
+
+def test_calibrate_report_refuses_an_unknown_half(capsys: pytest.CaptureFixture) -> None:
+    from services.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["calibrate", "report", "--half", "third"])
+    assert exc.value.code == 2 and "third" in capsys.readouterr().err
+
+
+def test_a_corrupt_embedding_cache_is_a_clear_error_and_leaves_the_file(tmp_path: Path) -> None:
+    from services.judge.backends.embed_cache import EmbeddingCache
+
+    path = tmp_path / "embeddings.sqlite"
+    path.write_bytes(b"this is not a database" * 100)
+    with pytest.raises(ConfigError, match="embeddings.sqlite cannot be used"):
+        EmbeddingCache(path, "m")
+    assert path.read_bytes().startswith(b"this is not a database")  # nothing overwritten

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.errors import ConfigError
+
 CACHE_DIR_ENV = "FANROUTE_JUDGE_CACHE_DIR"
 
 
@@ -37,10 +39,14 @@ class EmbeddingCache:
         self._db: sqlite3.Connection | None = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("CREATE TABLE IF NOT EXISTS emb (model TEXT, text_hash TEXT, vec BLOB, "
-                             "PRIMARY KEY (model, text_hash))")
+            try:
+                self._db = sqlite3.connect(str(path), check_same_thread=False, timeout=30)
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("CREATE TABLE IF NOT EXISTS emb (model TEXT, text_hash TEXT, vec BLOB, "
+                                 "PRIMARY KEY (model, text_hash))")
+            except sqlite3.DatabaseError as exc:
+                raise ConfigError(f"the judge's embedding cache {path} cannot be used ({exc}); move it away, "
+                                  f"point ${CACHE_DIR_ENV} elsewhere or set embedding_cache='off'") from exc
         self._memory: dict[str, np.ndarray] = {}
 
     @staticmethod
