@@ -18,11 +18,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.splits import dev_half  # noqa: E402
-from services.gateway.providers.markets import market  # noqa: E402
 from services.judge.calibrate import judge_tiers, offline_traces  # noqa: E402
 from services.judge.calibration.human import QrelsStore, human_grades  # noqa: E402
 from services.judge.calibration.metrics import tier_scores  # noqa: E402
 from services.judge.settings import build_backend, default_judge  # noqa: E402
+from services.providers.markets import market  # noqa: E402
 
 
 def _sign(a: int, b: int) -> int:

@@ -21,13 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.splits import dev_half  # noqa: E402
-from services.gateway.providers.markets import market  # noqa: E402
 from services.judge.backends.local import LocalJudge, grade_of, tiers_by_grade  # noqa: E402
 from services.judge.blind import blind  # noqa: E402
 from services.judge.calibrate import offline_traces  # noqa: E402
 from services.judge.calibration.human import QrelsStore, human_grades  # noqa: E402
 from services.judge.calibration.metrics import TracePair, agreement_report, tiers_tau  # noqa: E402
 from services.judge.settings_local import LocalJudgeConfig  # noqa: E402
+from services.providers.markets import market  # noqa: E402
 
 WEIGHTS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 COARSE = tuple(round(0.1 * i, 2) for i in range(1, 9))

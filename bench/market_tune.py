@@ -1,6 +1,6 @@
 """Choose each vertical's BM25 k1/b and LSA weight on the *tuning half* of its domain's dev queries.
 
-The chosen values live in ``services/gateway/providers/markets.py`` (``VERTICALS``); this script is
+The chosen values live in ``services/providers/markets.py`` (``VERTICALS``); this script is
 how they were chosen, so anyone can check that the validation half never picked anything. It
 prints, per domain, the grid's best on the tuning half and, for information only, what that same
 setting scores on the validation half beside the untuned default (k1=1.2, b=0.75, no LSA).
@@ -21,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.common.ir import ndcg_at_k  # noqa: E402
 from services.common.splits import dev_half  # noqa: E402
-from services.gateway.providers.collections import default_collections_dir, load_qrels  # noqa: E402
-from services.gateway.providers.config import HybridConfig  # noqa: E402
-from services.gateway.providers.local import HybridProvider  # noqa: E402
-from services.gateway.providers.markets import DOMAINS  # noqa: E402
 from services.judge.calibration.human import ranked_doc_ids  # noqa: E402
+from services.providers.collections import default_collections_dir, load_qrels  # noqa: E402
+from services.providers.config import HybridConfig  # noqa: E402
+from services.providers.local import HybridProvider  # noqa: E402
+from services.providers.markets import DOMAINS  # noqa: E402
 from services.tools.replay import sample_queries  # noqa: E402
 
 K1S, BS, WEIGHTS = (0.9, 1.2, 1.5, 2.0), (0.4, 0.75, 0.9), (0.0, 0.2, 0.4, 0.6, 1.0)

@@ -91,9 +91,9 @@ async def serve_gateway(spec: dict[str, Any]) -> None:
     """The gateway as ``python -m services.gateway`` runs it, with the promotion written first."""
     from services.common.entry import serve_app
     from services.common.logging import setup_logging
+    from services.common.stamps import MemoryStampStore, RedisStampStore
     from services.gateway.app import build_gateway, create_app
     from services.gateway.settings import GatewaySettings
-    from services.publisher.store import MemoryStampStore, RedisStampStore
 
     settings = GatewaySettings(**spec["settings"])
     setup_logging(settings.log_level)
@@ -355,7 +355,7 @@ async def _router_stats(http: aiohttp.ClientSession, router_url: str | None) -> 
 async def _forget_promotion(redis_url: str, ns: str) -> None:
     from redis.asyncio import Redis
 
-    from services.publisher.store import promoted_key
+    from services.common.stamps import promoted_key
 
     client = Redis.from_url(redis_url)
     try:

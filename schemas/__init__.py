@@ -9,9 +9,9 @@ from schemas.base import Message, decode
 from schemas.dead_letter import DeadLetter
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.task import Task
+from schemas.topics import TOPICS, TopicSpec, topic
 from schemas.trace import Candidate, Citation, Route, Signals, Trace
 from schemas.verdict import CandidateGrade, Verdict
-from schemas.topics import TOPICS, TopicSpec, topic
 
 __all__ = [
     "AdapterPublished", "Candidate", "CandidateGrade", "ChatMessage", "Citation", "DeadLetter",

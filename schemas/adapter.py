@@ -5,12 +5,29 @@ Producer: publisher. Consumers: gateway (follows the promoted version), sampler 
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from typing import Literal
 
 from pydantic import Field
 
 from schemas.base import Message
+
+#: A model id: safe as a directory name, a URL path segment and a Redis key part.
+MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: The served name of one published version, ``<model_id>@<version>``.
+VERSIONED = re.compile(r"^(?P<model_id>.+)@(?P<version>[1-9][0-9]{0,8})$")
+
+
+def versioned_name(model_id: str, version: int) -> str:
+    """The served name of one published version: ``<model_id>@<version>``."""
+    return f"{model_id}@{version}"
+
+
+def parse_versioned(name: str) -> tuple[str, int] | None:
+    """``"router@7"`` → ``("router", 7)``; anything else → None."""
+    m = VERSIONED.match(name)
+    return (m["model_id"], int(m["version"])) if m else None
 
 
 class AdapterPublished(Message):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.adapter import AdapterPublished
-from schemas.calibration import CalibrationRecord, Review
 from schemas.base import Message
+from schemas.calibration import CalibrationRecord, Review
 from schemas.episode import Episode
 from schemas.task import Task
 from schemas.trace import Trace

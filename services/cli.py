@@ -46,9 +46,8 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("judge", help="run the judge worker (same as python -m services.judge)")
     from services.episodes.cli import add_parser as add_episodes
-    from services.judge.cli import add_parser as add_calibrate
-
     from services.importer.run import add_parser as add_import
+    from services.judge.cli import add_parser as add_calibrate
     from services.publisher.export import add_parser as add_export
 
     add_calibrate(sub)
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return calibrate(args)
     if args.cmd == "stack":
-        from services.common import stack
+        import devstack as stack
 
         return stack.main([args.action])
     if args.cmd == "traces":
@@ -154,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _replay(args: argparse.Namespace) -> int:
     from services.common.errors import FanrouteError
-    from services.gateway.providers.config import ALL_COLLECTIONS
+    from services.providers.config import ALL_COLLECTIONS
     from services.tools.replay import replay, sample_queries, write_summary
 
     names = ALL_COLLECTIONS if args.collections == "all" else tuple(args.collections.split(","))

@@ -15,7 +15,13 @@ from starlette.routing import Route
 from schemas.episode import ChatMessage, Episode
 from schemas.trace import Candidate, Citation, Trace
 from services.episodes.build import system_prompt
-from services.gateway.providers.collections import Doc, default_collections_dir, load_corpus, load_qrels, load_queries
+from services.providers.collections import (
+    Doc,
+    default_collections_dir,
+    load_corpus,
+    load_qrels,
+    load_queries,
+)
 from tests.factories import NOW, signals
 from tests.http_fake import LoopbackServer
 

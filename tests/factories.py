@@ -4,10 +4,21 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from schemas import (
+    AdapterPublished,
+    Candidate,
+    CandidateGrade,
+    ChatMessage,
+    Citation,
+    Episode,
+    RewardComponent,
+    Signals,
+    Task,
+    Trace,
+    Verdict,
+)
 from schemas.calibration import CalibrationRecord, ProviderAgreement, Review
 from schemas.trace import Route
-from schemas import (AdapterPublished, Candidate, CandidateGrade, ChatMessage, Citation, Episode,
-                     RewardComponent, Signals, Task, Trace, Verdict)
 
 NOW = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
 

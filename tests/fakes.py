@@ -6,7 +6,7 @@ import asyncio
 
 from schemas.trace import Citation
 from services.common.errors import ProviderError
-from services.gateway.providers.base import Provider, ProviderAnswer, build_answer
+from services.providers.base import Provider, ProviderAnswer, build_answer
 
 
 class StaticProvider(Provider):

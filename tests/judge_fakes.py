@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from schemas.trace import Candidate, Citation, Trace
-from services.judge.base import JudgeBackend, JudgeFailed, JudgeIdentity, JudgeRequest, JudgeResult
+from services.judge.base import (
+    JudgeBackend,
+    JudgeFailed,
+    JudgeIdentity,
+    JudgeRequest,
+    JudgeResult,
+)
 from tests.factories import NOW, signals
 
 

@@ -109,11 +109,17 @@ def _eval(args: argparse.Namespace, settings) -> int:
 
 
 def _promote(args: argparse.Namespace, settings) -> int:
+    from services.common.publisher_client import PublisherClient, PublisherClientError
     from services.evaluate.inputs import EvalInputError
-    from services.evaluate.promote import EXIT_REFUSED, decide, evidence, render, write_decision
+    from services.evaluate.promote import (
+        EXIT_REFUSED,
+        decide,
+        evidence,
+        render,
+        write_decision,
+    )
     from services.evaluate.report import read_report
     from services.evaluate.routers import split_served_name
-    from services.publisher.client import PublisherClient, PublisherClientError
 
     model_id, version = split_served_name(args.candidate)
     if version is None:

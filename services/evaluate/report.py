@@ -22,7 +22,7 @@ NOTES = {
     "judge": "the judge's 0-3 UMBRELA grade of the answer returned, every provider's answer and the RRF-fused "
              "list graded blind in ONE call per query (a grade can depend on the other answers shown); a "
              "failed provider or an unanswered query counts 0",
-    "fanout": "returns the RRF-fused list (services/gateway/fusion.py); its judge number is the grade of that "
+    "fanout": "returns the RRF-fused list (services/providers/fusion.py); its judge number is the grade of that "
               "list shown to the judge as one more blind candidate; cost = sum, latency = slowest provider",
     "oracle": "best provider per query in hindsight, separately per measure (ties: cheapest, then fastest); "
               "cost/latency of the human pick where there are qrels, else of the judge pick",

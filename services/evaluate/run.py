@@ -12,7 +12,12 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.trace import Trace
 from services.evaluate import policies as pol
 from services.evaluate.baseline import choose_best_single
-from services.evaluate.inputs import EvalInputError, held_out, load_traces_file, topic_traces
+from services.evaluate.inputs import (
+    EvalInputError,
+    held_out,
+    load_traces_file,
+    topic_traces,
+)
 from services.evaluate.metrics import summarise
 from services.evaluate.policies import QueryScores, RouterCall
 from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, QueryRow
@@ -52,7 +57,7 @@ def resolve_deployed(opts: EvalOptions) -> tuple[str | None, Literal["auto", "ex
     if not opts.publisher_url:
         raise EvalInputError("--deployed auto asks the publisher which version is promoted: give --publisher-url, "
                              "or --deployed none / --deployed <model_id>@<version>")
-    from services.publisher.client import PublisherClient
+    from services.common.publisher_client import PublisherClient
 
     model_id, _ = split_served_name(opts.candidate)
     with PublisherClient(opts.publisher_url, timeout_s=30) as client:

@@ -17,12 +17,18 @@ from collections.abc import Sequence
 from schemas.trace import Candidate, Citation, Trace
 from services.common.ir import ndcg_at_k
 from services.evaluate.policies import FUSED
-from services.gateway.fusion import rrf
-from services.gateway.providers.base import build_answer
 from services.judge.base import JudgeBackend, JudgeFailed
 from services.judge.blind import blind
-from services.judge.calibration.human import K, QrelsStore, human_grades, ranked_doc_ids, split_query_id
+from services.judge.calibration.human import (
+    K,
+    QrelsStore,
+    human_grades,
+    ranked_doc_ids,
+    split_query_id,
+)
 from services.judge.worker import to_providers
+from services.providers.base import build_answer
+from services.providers.fusion import rrf
 
 log = logging.getLogger(__name__)
 

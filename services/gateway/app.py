@@ -22,15 +22,15 @@ from services.common.bus import Bus
 from services.common.errors import BusError
 from services.common.http import BodyLimit, lifespan_of
 from services.common.http import error as error_response
-from services.gateway.fanout import fan_out_trace
-from services.gateway.fusion import FusedResult, rrf
+from services.common.stamps import StampStore
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.providers.base import Provider
-from services.gateway.providers.registry import build_provider
 from services.gateway.push import push
 from services.gateway.routed import RoutedMode
 from services.gateway.settings import GatewaySettings
-from services.publisher.store import StampStore
+from services.providers.base import Provider
+from services.providers.fanout import fan_out_trace
+from services.providers.fusion import FusedResult, rrf
+from services.providers.registry import build_provider
 from services.router.client import RouterClient
 
 log = logging.getLogger(__name__)

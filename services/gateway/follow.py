@@ -13,14 +13,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from schemas.adapter import AdapterPublished
+from schemas.adapter import AdapterPublished, versioned_name
 from schemas.base import decode
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import SchemaError
 from services.common.replay_topic import read_to_end
-from services.publisher.store import StampStore
-from services.sampler.registry import versioned_name
+from services.common.stamps import StampStore
 
 log = logging.getLogger(__name__)
 

@@ -14,13 +14,13 @@ from datetime import UTC, datetime
 
 from schemas.trace import Candidate, Route, RouteFallback, Trace
 from services.common.bus import Bus
-from services.gateway.fanout import call_provider
+from services.common.stamps import RedisStampStore, StampStore
 from services.gateway.follow import Promoted, PromotedFollower
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.providers.base import Provider
 from services.gateway.settings import GatewaySettings
 from services.gateway.signals import compute_signals
-from services.publisher.store import RedisStampStore, StampStore
+from services.providers.base import Provider
+from services.providers.fanout import call_provider
 from services.router.client import RouterAnswer, RouterClient, RouterError
 from services.router.policy import call_order, in_fanout_slice
 

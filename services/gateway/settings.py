@@ -2,36 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.base import summarise
-from services.common.errors import ConfigError
+from schemas.adapter import MODEL_ID_PATTERN
 from services.common.settings import ServiceSettings
-from services.gateway.providers.config import ProviderConfig
-from services.gateway.providers.markets import DEFAULT_MARKET, MarketName, market
-from services.publisher.store import MODEL_ID_PATTERN
-
-
-def default_providers() -> list[ProviderConfig]:
-    """The embedded default: the ``federated`` market (see :mod:`services.gateway.providers.markets`)."""
-    return market(DEFAULT_MARKET)
-
-
-def providers_in_force(providers: list[ProviderConfig], *, explicit: bool, providers_file: Path | None,
-                       market_name: MarketName) -> list[ProviderConfig]:
-    """The file's providers if one is named, else an explicitly given list, else the market preset's."""
-    if providers_file is not None:
-        return load_providers_file(providers_file)
-    return providers if explicit else market(market_name)
-
-
-_PROVIDERS = TypeAdapter(list[ProviderConfig])
+from services.providers.config import ProviderConfig
+from services.providers.markets import (
+    DEFAULT_MARKET,
+    MarketName,
+    default_providers,
+    providers_in_force,
+)
 
 
 class RoutingSettings(BaseModel):
@@ -124,17 +109,3 @@ def _check_routing(routing: RoutingSettings, enabled: list[str], deadline_s: flo
     if routing.router_timeout_s >= deadline_s:
         raise ValueError(f"routing.router_timeout_s ({routing.router_timeout_s:g}s) must be below deadline_s "
                          f"({deadline_s:g}s), or no provider could answer after a slow router")
-
-
-def load_providers_file(path: Path) -> list[ProviderConfig]:
-    """Read ``providers`` from a TOML or JSON file; errors name the file and the field."""
-    try:
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        entries = data["providers"] if isinstance(data, dict) else data
-    except (OSError, KeyError, ValueError) as exc:  # TOML/JSON errors name the line and column
-        raise ConfigError(f"{path}: cannot read providers: {exc}") from exc
-    try:
-        return _PROVIDERS.validate_python(entries)
-    except ValidationError as exc:
-        raise ConfigError(f"{path}: invalid providers: {summarise(exc)} (paths are providers[i].field)") from exc

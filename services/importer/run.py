@@ -20,7 +20,14 @@ from pathlib import Path
 from schemas.base import content_id
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from services.common.errors import ConfigError, FanrouteError
-from services.importer.formats import FORMATS, Conversation, LineError, Skipped, Turn, detect_format
+from services.importer.formats import (
+    FORMATS,
+    Conversation,
+    LineError,
+    Skipped,
+    Turn,
+    detect_format,
+)
 from services.importer.redact import PRESETS, Redactor, redact_conversation
 from services.importer.telemetry import Telemetry, read_telemetry
 

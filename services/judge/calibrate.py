@@ -23,16 +23,20 @@ from schemas.trace import Trace
 from schemas.verdict import Verdict
 from services.common.errors import SchemaError
 from services.common.replay_topic import read_to_end
-from services.common.splits import dev_half
 from services.common.settings import KafkaSettings
-from services.gateway.fanout import fan_out_trace
-from services.gateway.providers.config import LatencyModel, ProviderConfig
-from services.gateway.providers.registry import build_provider
+from services.common.splits import dev_half
 from services.judge.base import JudgeBackend
 from services.judge.blind import blind
 from services.judge.calibration.human import QrelsStore, human_grades
-from services.judge.calibration.metrics import AgreementReport, TracePair, agreement_report
+from services.judge.calibration.metrics import (
+    AgreementReport,
+    TracePair,
+    agreement_report,
+)
 from services.judge.worker import to_providers
+from services.providers.config import LatencyModel, ProviderConfig
+from services.providers.fanout import fan_out_trace
+from services.providers.registry import build_provider
 from services.tools.replay import sample_queries
 
 

@@ -96,7 +96,11 @@ async def _export(settings, args) -> int:
 async def _import(settings, args) -> int:
     from services.judge import calibrate as cal
     from services.judge.calibration.files import default_key_path, import_rankings
-    from services.judge.calibration.metrics import TracePair, agreement_report, render_report
+    from services.judge.calibration.metrics import (
+        TracePair,
+        agreement_report,
+        render_report,
+    )
     from services.judge.settings import build_backend
 
     human = import_rankings(args.rankings, args.key or default_key_path(args.rankings))

@@ -9,8 +9,8 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from services.common.errors import ConfigError
-from services.gateway.providers.config import ProviderConfig
 from services.judge.base import JudgeIdentity
+from services.providers.config import ProviderConfig
 
 
 def _host(url: str | None) -> str | None:

@@ -8,11 +8,15 @@ from typing import Annotated, Union
 from pydantic import Field, model_validator
 
 from services.common.settings import ServiceSettings
-from services.gateway.providers.config import ProviderConfig
-from services.gateway.providers.markets import DEFAULT_MARKET, MarketName
-from services.gateway.settings import default_providers, providers_in_force
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
 from services.judge.settings_local import LocalJudgeConfig
+from services.providers.config import ProviderConfig
+from services.providers.markets import (
+    DEFAULT_MARKET,
+    MarketName,
+    default_providers,
+    providers_in_force,
+)
 
 JudgeConfig = Annotated[Union[LocalJudgeConfig, OpenAIJudgeConfig, AnthropicJudgeConfig],
                         Field(discriminator="type")]

@@ -18,9 +18,9 @@ from schemas.trace import Trace
 from schemas.verdict import CandidateGrade, Verdict
 from services.common.bus import Bus
 from services.common.errors import SchemaError
+from services.common.idempotency import KeyStore
 from services.common.replay_topic import read_to_end
 from services.common.settings import KafkaSettings
-from services.common.idempotency import KeyStore
 from services.judge.base import JudgeBackend, JudgeFailed, JudgeResult
 from services.judge.blind import Blinded, blind
 from services.judge.rubric import RUBRIC_VERSION

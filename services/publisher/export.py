@@ -14,7 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.publisher.store import CHUNK, BlobStore, Manifest, ManifestStore, materialize
+from services.common.adapter_files import CHUNK, materialize
+from services.publisher.store import BlobStore, Manifest, ManifestStore
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -108,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         if args.kind == "merged":
             out = export_merged(args.base_model, args.adapter_dir, args.out, dtype=args.dtype)
         elif args.url:
-            from services.publisher.client import PublisherClient
+            from services.common.publisher_client import PublisherClient
 
             with PublisherClient(args.url) as client:
                 out = client.fetch_version(args.model_id, args.version, args.out)

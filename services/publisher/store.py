@@ -7,35 +7,27 @@ memory for unit tests and the embedded default).
 
 from __future__ import annotations
 
-import abc
 import hashlib
 import json
 import os
 import re
-import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.adapter import AdapterPublished
+from schemas.adapter import MODEL_ID_PATTERN, AdapterPublished
 from schemas.base import content_id
+from services.common.adapter_files import (
+    SHA256_RE,
+    HashMismatch,
+)
 from services.common.errors import FanrouteError
 
-SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 MODEL_ID_RE = re.compile(MODEL_ID_PATTERN)
-REQUIRED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
-#: What a PEFT adapter directory may hold: the adapter, its card, and the tokenizer saved beside it.
-#: No pickles (``.bin``): a consumer should never have to unpickle what it pulled.
-ADAPTER_FILES = REQUIRED_FILES | frozenset({
-    "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
-})
-CHUNK = 1 << 20
 
 
 class PublisherError(FanrouteError):
@@ -43,18 +35,6 @@ class PublisherError(FanrouteError):
 
     status = 400
     error = "bad_request"
-
-
-class BadAdapterFiles(PublisherError, ValueError):
-    """The file list is not a plain PEFT adapter directory."""
-
-    error = "bad_files"
-
-
-class HashMismatch(PublisherError, ValueError):
-    """Bytes whose sha256 is not the one they were announced with."""
-
-    error = "hash_mismatch"
 
 
 class BlobTooLarge(PublisherError, ValueError):
@@ -80,35 +60,11 @@ class NotFound(PublisherError, LookupError):
     status, error = 404, "not_found"
 
 
-def sha256_file(path: Path) -> str:
-    """The hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_sha256(sha: str) -> str:
     """``sha`` if it is 64 lowercase hex digits, else a clear error."""
     if not SHA256_RE.match(sha):
         raise PublisherError(f"not a sha256 (64 lowercase hex digits): {sha!r}")
     return sha
-
-
-def check_adapter_files(files: dict[str, str]) -> None:
-    """Refuse anything but plain PEFT adapter file names with well-formed hashes."""
-    bad = sorted(n for n in files if n not in ADAPTER_FILES)
-    if bad:
-        why = "path separators are not allowed" if any("/" in n or "\\" in n for n in bad) else "unknown"
-        raise BadAdapterFiles(f"files {bad}: not plain PEFT adapter files ({why}); "
-                              f"allowed: {sorted(ADAPTER_FILES)}")
-    missing = sorted(REQUIRED_FILES - files.keys())
-    if missing:
-        raise BadAdapterFiles(f"an adapter needs {missing}")
-    for name, sha in files.items():
-        if not SHA256_RE.match(sha):
-            raise BadAdapterFiles(f"files.{name}: not a sha256 (64 lowercase hex digits): {sha!r}")
 
 
 def check_model_id(model_id: str) -> str:
@@ -297,178 +253,3 @@ def retention_victims(versions: Iterable[int], keep: int, pinned: set[int]) -> l
     ordered = sorted(versions)
     newest = set(ordered[-keep:])
     return [v for v in ordered if v not in newest and v not in pinned]
-
-
-# --------------------------------------------------------------------------- stamps and serving
-
-
-def stamp_key(namespace: str, model_id: str) -> str:
-    """Redis key of the adapter version stamp (the trainer reads it for staleness)."""
-    return f"fanroute:{namespace}adapter:stamp:{model_id}"
-
-
-def promoted_key(namespace: str, model_id: str) -> str:
-    """Redis key of the promoted version: JSON ``{"version": v, "fallback_provider": p}``."""
-    return f"fanroute:{namespace}adapter:promoted:{model_id}"
-
-
-def _serving_prefix(namespace: str, model_id: str) -> str:
-    return f"fanroute:{namespace}adapter:serving:{model_id}"
-
-
-class StampStore(abc.ABC):
-    """Version stamps per model id, and which sampler serves which version (with a TTL)."""
-
-    @abc.abstractmethod
-    async def incr(self, model_id: str) -> int:
-        """Move the stamp on by one and return it: the new version number."""
-
-    @abc.abstractmethod
-    async def get(self, model_id: str) -> int:
-        """The current stamp (0 before the first publish)."""
-
-    @abc.abstractmethod
-    async def set_promoted(self, model_id: str, version: int, fallback_provider: str | None) -> None:
-        """Record the promoted version (what routed gateways poll)."""
-
-    @abc.abstractmethod
-    async def promoted(self, model_id: str) -> tuple[int, str | None] | None:
-        """(version, fallback provider) of the promoted version, or None."""
-
-    @abc.abstractmethod
-    async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
-        """Record that ``sampler_id`` serves ``version`` for the next ``ttl_s`` seconds."""
-
-    @abc.abstractmethod
-    async def serving(self, model_id: str) -> dict[str, int]:
-        """sampler id → version, for reports that have not expired."""
-
-    async def close(self) -> None:
-        """Release connections."""
-
-
-class MemoryStampStore(StampStore):
-    """In-process stamps (lost on exit): unit tests and the embedded default."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self.clock = clock
-        self.stamps: dict[str, int] = {}
-        self.reports: dict[str, dict[str, tuple[int, float]]] = {}
-        self.promotions: dict[str, tuple[int, str | None]] = {}
-
-    async def incr(self, model_id: str) -> int:
-        self.stamps[model_id] = self.stamps.get(model_id, 0) + 1
-        return self.stamps[model_id]
-
-    async def get(self, model_id: str) -> int:
-        return self.stamps.get(model_id, 0)
-
-    async def set_promoted(self, model_id: str, version: int, fallback_provider: str | None) -> None:
-        self.promotions[model_id] = (version, fallback_provider)
-
-    async def promoted(self, model_id: str) -> tuple[int, str | None] | None:
-        return self.promotions.get(model_id)
-
-    async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
-        self.reports.setdefault(model_id, {})[sampler_id] = (version, self.clock() + ttl_s)
-
-    async def serving(self, model_id: str) -> dict[str, int]:
-        now = self.clock()
-        return {s: v for s, (v, until) in self.reports.get(model_id, {}).items() if until > now}
-
-
-class RedisStampStore(StampStore):
-    """Stamps as Redis counters; serving reports as a set of sampler ids plus one key each with a TTL."""
-
-    def __init__(self, url: str, namespace: str) -> None:
-        import redis.asyncio as redis
-
-        self.client = redis.Redis.from_url(url)
-        self.namespace = namespace
-
-    async def incr(self, model_id: str) -> int:
-        return int(await self.client.incr(stamp_key(self.namespace, model_id)))
-
-    async def get(self, model_id: str) -> int:
-        return int(await self.client.get(stamp_key(self.namespace, model_id)) or 0)
-
-    async def set_promoted(self, model_id: str, version: int, fallback_provider: str | None) -> None:
-        value = json.dumps({"version": version, "fallback_provider": fallback_provider})
-        await self.client.set(promoted_key(self.namespace, model_id), value)
-
-    async def promoted(self, model_id: str) -> tuple[int, str | None] | None:
-        return parse_promoted(await self.client.get(promoted_key(self.namespace, model_id)))
-
-    async def report_serving(self, model_id: str, sampler_id: str, version: int, ttl_s: float) -> None:
-        prefix = _serving_prefix(self.namespace, model_id)
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(f"{prefix}:{sampler_id}", version, px=int(ttl_s * 1000))
-            pipe.sadd(f"{prefix}:samplers", sampler_id)
-            await pipe.execute()
-
-    async def serving(self, model_id: str) -> dict[str, int]:
-        prefix = _serving_prefix(self.namespace, model_id)
-        samplers = sorted(s.decode() for s in await self.client.smembers(f"{prefix}:samplers"))
-        if not samplers:
-            return {}
-        values = await self.client.mget([f"{prefix}:{s}" for s in samplers])
-        expired = [s for s, v in zip(samplers, values) if v is None]
-        if expired:
-            await self.client.srem(f"{prefix}:samplers", *expired)
-        return {s: int(v) for s, v in zip(samplers, values) if v is not None}
-
-    async def close(self) -> None:
-        await self.client.aclose()
-
-
-def parse_promoted(raw: bytes | str | None) -> tuple[int, str | None] | None:
-    """The promoted key's value as (version, fallback provider); None when unset."""
-    if raw is None:
-        return None
-    data = json.loads(raw)
-    return int(data["version"]), data.get("fallback_provider")
-
-
-def stamp_store(url: str, namespace: str) -> StampStore:
-    """Redis unless ``url`` is ``memory://``."""
-    return MemoryStampStore() if url == "memory://" else RedisStampStore(url, namespace)
-
-
-# --------------------------------------------------------------------------- materialising a directory
-
-
-def materialize(dest: Path, files: dict[str, str], read: Callable[[str, str], Iterable[bytes]]) -> Path:
-    """Write ``files`` (name → sha256) into the new directory ``dest``, verifying every hash.
-
-    ``read(name, sha)`` yields the file's bytes. Files land in a temporary sibling directory that
-    is renamed to ``dest`` only when all of them verify, so a failure leaves nothing behind. An
-    empty ``dest`` is filled (replaced by the rename); one that already holds exactly these files
-    is returned as is; any other existing ``dest`` is refused.
-    """
-    check_adapter_files(files)
-    if dest.exists() and any(dest.iterdir()):
-        if _holds_exactly(dest, files):
-            return dest
-        raise FileExistsError(f"{dest} exists and does not hold exactly these files; remove it first")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
-    try:
-        for name, sha in sorted(files.items()):
-            h = hashlib.sha256()
-            with (tmp / name).open("wb") as f:
-                for chunk in read(name, sha):
-                    h.update(chunk)
-                    f.write(chunk)
-            if h.hexdigest() != sha:
-                raise HashMismatch(f"{name}: received bytes hash to {h.hexdigest()}, expected {sha}; "
-                                   f"nothing was written to {dest}")
-        os.rename(tmp, dest)  # POSIX: replaces an empty directory atomically
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
-
-def _holds_exactly(directory: Path, files: dict[str, str]) -> bool:
-    present = {p.name for p in directory.iterdir()}
-    return present == set(files) and all(sha256_file(directory / n) == s for n, s in files.items())

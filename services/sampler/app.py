@@ -19,19 +19,45 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from schemas.adapter import parse_versioned
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import FanrouteError
 from services.common.http import BodyLimit, lifespan_of
 from services.sampler.engine import Engine, Generation, PromptError, SamplingParams
-from services.sampler.registry import (AdapterEntry, AdapterError, AdapterRegistry, AdapterUnavailable,
-                                       check_adapter_dir, parse_versioned)
+from services.sampler.registry import (
+    AdapterEntry,
+    AdapterError,
+    AdapterRegistry,
+    AdapterUnavailable,
+    check_adapter_dir,
+)
 from services.sampler.settings import SamplerSettings
-from services.sampler.worker import AdapterStore, AdapterWorker, Fetcher, default_fetcher
+from services.sampler.worker import (
+    AdapterStore,
+    AdapterWorker,
+    Fetcher,
+    default_fetcher,
+)
 
 log = logging.getLogger(__name__)
 LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this so the JSON stays valid

@@ -7,17 +7,15 @@ before any adapter file is loaded: is it a PEFT LoRA dir, and do its files hash 
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 from schemas.adapter import AdapterPublished
+from services.common.adapter_files import sha256_file
 from services.common.errors import FanrouteError
 
-VERSIONED = re.compile(r"^(?P<model_id>.+)@(?P<version>[1-9][0-9]{0,8})$")
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
@@ -43,17 +41,6 @@ class AdapterEntry:
     version: int | None = None
     rank: int | None = None
     slot: str | None = None  # the engine's peft slot while resident
-
-
-def versioned_name(model_id: str, version: int) -> str:
-    """The served name of one published version: ``<model_id>@<version>``."""
-    return f"{model_id}@{version}"
-
-
-def parse_versioned(name: str) -> tuple[str, int] | None:
-    """``"router@7"`` → ``("router", 7)``; anything else → None."""
-    m = VERSIONED.match(name)
-    return (m["model_id"], int(m["version"])) if m else None
 
 
 class AdapterRegistry:
@@ -177,14 +164,6 @@ def safe_relative(name: str) -> Path:
     if not name or rel.is_absolute() or ".." in rel.parts or name.startswith(("/", "\\")):
         raise AdapterIntegrityError(f"{name!r}: file names must be relative paths inside the adapter dir")
     return rel
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_files(root: Path, files_sha256: dict[str, str]) -> None:

@@ -17,10 +17,16 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import quote
 
-from schemas.adapter import AdapterPublished
-from services.sampler.registry import (AdapterEntry, AdapterError, AdapterIntegrityError, AdapterRegistry,
-                                       AdapterUnavailable, parse_versioned, safe_relative, verify_files,
-                                       versioned_name)
+from schemas.adapter import AdapterPublished, parse_versioned, versioned_name
+from services.sampler.registry import (
+    AdapterEntry,
+    AdapterError,
+    AdapterIntegrityError,
+    AdapterRegistry,
+    AdapterUnavailable,
+    safe_relative,
+    verify_files,
+)
 
 log = logging.getLogger(__name__)
 VERIFIED_MARKER = ".fanroute-verified.json"
@@ -67,7 +73,7 @@ def default_fetcher(publisher_url: str | None, timeout_s: float, *, client: Any 
     if not publisher_url:
         return http_file_fetcher(timeout_s)
     if client is None:
-        from services.publisher.client import PublisherClient
+        from services.common.publisher_client import PublisherClient
 
         client = PublisherClient(publisher_url, timeout_s)
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from schemas.trace import Trace
 from services.common.settings import KafkaSettings
-from services.gateway.providers.collections import default_collections_dir
+from services.providers.collections import default_collections_dir
 from services.tools.replay import replay, sample_queries
 from services.tools.report import render, score_traces, write_report
 from services.tools.serving import free_port, served
@@ -52,7 +52,7 @@ DEMO_STACK = REPO / ".stack" / "demo"
 
 async def run_demo(opts: DemoOptions) -> int:
     """Run the demo; returns a process exit code."""
-    from services.common import stack
+    import devstack as stack
 
     started_stack = False
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or os.environ.get("FANROUTE_KAFKA__BOOTSTRAP_SERVERS")
@@ -133,17 +133,16 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
     Returns the verdicts, the episodes, and how many verdicts were expected."""
     from schemas import Verdict, topic
     from services.common.bus import ensure_topics
+    from services.common.replay_topic import read_messages
     from services.common.settings import RedisSettings
     from services.episodes.__main__ import run as run_builder
     from services.episodes.settings import EpisodeSettings
-    from services.common.replay_topic import read_messages
     from services.judge.__main__ import guard, run
     from services.judge.calibrate import against_qrels
     from services.judge.calibration.metrics import render_report
+    from services.judge.sampling import sample_reason
     from services.judge.settings import JudgeSettings, build_backend
     from services.judge.worker import verdict_id
-
-    from services.judge.sampling import sample_reason
 
     out_dir = opts.out_dir
     settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), providers=providers,

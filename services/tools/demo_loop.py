@@ -133,11 +133,12 @@ def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publish
 async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_url: str, sampler_url: str,
                                 providers, out_dir: Path, opts: LoopOptions):
     """``fanroute eval`` then ``fanroute promote`` in-process; writes eval.json, the plot and decision.json."""
-    from services.evaluate.promote import decide, evidence, render as render_decision, write_decision
+    from services.common.publisher_client import PublisherClient
+    from services.evaluate.promote import decide, evidence, write_decision
+    from services.evaluate.promote import render as render_decision
     from services.evaluate.report import write_json, write_plot
     from services.evaluate.run import EvalOptions, run_eval
     from services.judge.settings import JudgeSettings
-    from services.publisher.client import PublisherClient
 
     judge = JudgeSettings(kafka=kafka, redis=RedisSettings(url="memory://"), providers=providers)
     report = await run_eval(EvalOptions(

@@ -23,8 +23,8 @@ import numpy as np
 
 from schemas.trace import Trace
 from services.common.splits import dev_half
-from services.gateway.providers.markets import MARKETS, domain_of, market
 from services.judge.calibration.human import QrelsStore, human_grades, split_query_id
+from services.providers.markets import MARKETS, domain_of, market
 
 #: The issue's targets for a market where routing can pay (ratios to the best single provider).
 TARGET_DOMAIN_GAIN, TARGET_ORACLE_GAIN = 1.10, 1.20

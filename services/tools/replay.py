@@ -18,9 +18,13 @@ import numpy as np
 from tqdm import tqdm
 
 from services.common.errors import ConfigError
-from services.gateway.providers.collections import (check_names, default_collections_dir,
-                                                    load_qrels, load_queries)
-from services.gateway.providers.config import ALL_COLLECTIONS
+from services.providers.collections import (
+    check_names,
+    default_collections_dir,
+    load_qrels,
+    load_queries,
+)
+from services.providers.config import ALL_COLLECTIONS
 
 
 @dataclass(frozen=True)

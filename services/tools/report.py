@@ -17,9 +17,9 @@ import numpy as np
 
 from schemas.trace import Trace
 from services.common.ir import ndcg_at_k
-from services.gateway.fusion import rrf
-from services.gateway.providers.collections import load_qrels, parse_doc_url
-from services.gateway.providers.config import ALL_COLLECTIONS
+from services.providers.collections import load_qrels, parse_doc_url
+from services.providers.config import ALL_COLLECTIONS
+from services.providers.fusion import rrf
 
 
 @dataclass(frozen=True)

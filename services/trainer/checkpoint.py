@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.common.files import atomic_dir
 from services.common.errors import ConfigError
+from services.common.files import atomic_dir
 
 CHECKPOINTS = "checkpoints"
 

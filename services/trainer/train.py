@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from schemas.episode import Episode
-from services.common.files import atomic_dir
 from services.common.errors import BusError, ConfigError, FanrouteError
+from services.common.files import atomic_dir
 from services.models.prepare import is_prepared, resolve_base
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
@@ -49,7 +49,7 @@ Out = Callable[[str], None]
 
 
 class Publisher(Protocol):
-    """Anything that can publish a finished adapter (e.g. services.publisher.client.PublisherClient)."""
+    """Anything that can publish a finished adapter (e.g. services.common.publisher_client.PublisherClient)."""
 
     def publish(self, model_id: str, adapter_dir: Path, base_model: str, metrics: dict) -> dict: ...
 
@@ -215,9 +215,9 @@ def publisher_for(settings: TrainerSettings) -> Publisher | None:
     if settings.publisher_url is None:
         return None
     try:
-        from services.publisher.client import PublisherClient
+        from services.common.publisher_client import PublisherClient
     except ImportError as exc:
-        raise ConfigError(f"publisher_url is set but services.publisher.client is not available: {exc}") from exc
+        raise ConfigError(f"publisher_url is set but services.common.publisher_client is not available: {exc}") from exc
     return PublisherClient(settings.publisher_url)
 
 

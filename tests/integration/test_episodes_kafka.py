@@ -28,11 +28,11 @@ from services.episodes.settings import EpisodeSettings
 from services.episodes.tasks import write_task
 from services.episodes.verifier import run_verifier
 from services.gateway.app import build_gateway, create_app
-from services.gateway.providers.config import BM25Config
 from services.gateway.settings import GatewaySettings
 from services.judge.__main__ import run as run_judge
 from services.judge.settings import JudgeSettings
 from services.judge.settings_local import LocalJudgeConfig
+from services.providers.config import BM25Config
 from tests.episode_fakes import verdict_for
 from tests.judge_fakes import judged_trace
 

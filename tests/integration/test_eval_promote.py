@@ -23,19 +23,19 @@ from schemas import AdapterPublished, topic
 from schemas.base import decode
 from services.cli import main
 from services.common.bus import Bus
+from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_records_to_end
 from services.common.settings import KafkaSettings, RedisSettings
+from services.common.stamps import parse_promoted, promoted_key
 from services.evaluate.report import read_report, write_json
 from services.publisher.app import create_app as publisher_app
-from services.publisher.client import PublisherClient
 from services.publisher.settings import PublisherSettings
-from services.publisher.store import parse_promoted, promoted_key
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
 from services.tools.serving import free_port, served
+from tests.eval_fakes import adi, adi_trace, episode, write_jsonl
 from tests.tiny_lm import build_lora_adapter
 from tests.tiny_model import build_tiny_model
-from tests.eval_fakes import adi, adi_trace, episode, write_jsonl
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 

@@ -13,8 +13,13 @@ import uvicorn
 
 from services.common.settings import KafkaSettings
 from services.gateway.app import create_app
-from services.gateway.providers.config import BM25Config, DenseConfig, LatencyModel, SearxngConfig
 from services.gateway.settings import GatewaySettings
+from services.providers.config import (
+    BM25Config,
+    DenseConfig,
+    LatencyModel,
+    SearxngConfig,
+)
 from services.tools.traces import read_traces
 from tests.unit.web_api_fakes import FakeApis, Reply, searxng_ok
 

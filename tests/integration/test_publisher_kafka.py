@@ -14,12 +14,12 @@ import uvicorn
 
 from schemas import AdapterPublished
 from schemas.base import decode
+from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_records_to_end
 from services.common.settings import KafkaSettings, RedisSettings
+from services.common.stamps import parse_promoted, promoted_key, stamp_key
 from services.publisher.app import create_app
-from services.publisher.client import PublisherClient
 from services.publisher.settings import PublisherSettings
-from services.publisher.store import parse_promoted, promoted_key, stamp_key
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 

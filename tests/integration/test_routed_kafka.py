@@ -22,15 +22,15 @@ import pytest
 from schemas import AdapterPublished, Trace, topic
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from services.common.bus import Bus
+from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_messages
 from services.common.settings import KafkaSettings, RedisSettings
 from services.episodes.build import system_prompt
 from services.gateway.app import Gateway, build_gateway, create_app
 from services.gateway.follow import PromotedFollower
-from services.gateway.providers.config import BM25Config
 from services.gateway.settings import GatewaySettings
+from services.providers.config import BM25Config
 from services.publisher.app import create_app as publisher_app
-from services.publisher.client import PublisherClient
 from services.publisher.settings import PublisherSettings
 from services.router.policy import in_fanout_slice
 from services.sampler.app import create_app as sampler_app

@@ -15,16 +15,16 @@ import pytest
 
 from schemas import topic
 from services.common.bus import Bus
+from services.common.publisher_client import PublisherClient
 from services.common.settings import KafkaSettings, RedisSettings
 from services.episodes.build import build_episode
 from services.publisher.app import create_app as publisher_app
-from services.publisher.client import PublisherClient
 from services.publisher.settings import PublisherSettings
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
+from services.tools.serving import free_port, served
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
-from services.tools.serving import free_port, served
 from tests.episode_fakes import verdict_for
 from tests.judge_fakes import judged_trace
 from tests.tiny_lm import build_tiny_lm

@@ -7,26 +7,44 @@ import math
 import random
 
 import pytest
+import scipy.stats as scipy_stats  # noqa: E402  (dev dependency: the reference for tau-b)
 
 from schemas import Candidate, Trace
 from services.common.errors import ConfigError
 from services.common.ir import ndcg_at_k
-from services.gateway.providers.collections import default_collections_dir, load_corpus, load_qrels
 from services.judge.calibration.files import (
-    RANKING_COLUMN, default_key_path, export_blind, import_rankings, letter_names, parse_ranking,
+    RANKING_COLUMN,
+    default_key_path,
+    export_blind,
+    import_rankings,
+    letter_names,
+    parse_ranking,
     read_key,
 )
 from services.judge.calibration.human import (
-    NDCG_CUTS, QrelsStore, human_grades, ndcg_grade, ranked_doc_ids, tiers_by_value,
+    NDCG_CUTS,
+    QrelsStore,
+    human_grades,
+    ndcg_grade,
+    ranked_doc_ids,
+    tiers_by_value,
 )
 from services.judge.calibration.metrics import (
-    TracePair, agreement_report, kendall_tau_b, render_report, restrict, tier_scores, tiers_tau,
+    TracePair,
+    agreement_report,
+    kendall_tau_b,
+    render_report,
+    restrict,
+    tier_scores,
+    tiers_tau,
     top1_agreement,
 )
+from services.providers.collections import (
+    default_collections_dir,
+    load_corpus,
+    load_qrels,
+)
 from tests.factories import NOW, candidate, signals
-
-import scipy.stats as scipy_stats  # noqa: E402  (dev dependency: the reference for tau-b)
-
 
 # --------------------------------------------------------------------------- tau-b
 

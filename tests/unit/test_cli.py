@@ -15,9 +15,14 @@ from services.cli import main
 from services.common.errors import ConfigError
 from services.common.settings import KafkaSettings
 from services.gateway.app import build_gateway, create_app
-from services.gateway.providers.collections import default_collections_dir, load_qrels, load_queries
-from services.gateway.providers.config import BM25Config
-from services.gateway.settings import GatewaySettings, load_providers_file
+from services.gateway.settings import GatewaySettings
+from services.providers.collections import (
+    default_collections_dir,
+    load_qrels,
+    load_queries,
+)
+from services.providers.config import BM25Config
+from services.providers.markets import load_providers_file
 from services.tools.replay import replay, sample_queries
 from tests.fakes import StaticProvider
 

@@ -8,7 +8,15 @@ import json
 import pytest
 
 from services.cli import main
-from tests.eval_fakes import adi, adi_trace, episode, make_trace, cand, router_server, write_jsonl
+from tests.eval_fakes import (
+    adi,
+    adi_trace,
+    cand,
+    episode,
+    make_trace,
+    router_server,
+    write_jsonl,
+)
 
 PROVIDERS = ("good", "cheap", "flaky")
 

@@ -6,11 +6,17 @@ from __future__ import annotations
 import pytest
 
 from services.evaluate.policies import FUSED
-from services.evaluate.scoring import fused_candidate, human_scores, judge_all, judge_grades, with_fused
+from services.evaluate.scoring import (
+    fused_candidate,
+    human_scores,
+    judge_all,
+    judge_grades,
+    with_fused,
+)
 from services.judge.backends.local import LocalJudge
 from services.judge.calibration.human import QrelsStore
-from tests.judge_fakes import KeywordJudge
 from tests.eval_fakes import adi, adi_trace, cand, make_trace
+from tests.judge_fakes import KeywordJudge
 
 Q = "boundary layer transition swept wings"
 GOOD = cand("good", ["u1", "u2"], texts=[("boundary layer transition", "on swept wings at speed"), ("transition", "")])

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from services.common.errors import ProviderRateLimited
-from services.gateway.fanout import fan_out
+from services.providers.fanout import fan_out
 from tests.fakes import StaticProvider, failing
 
 

@@ -12,8 +12,8 @@ from services.common.bus import Bus
 from services.common.errors import BusError
 from services.common.settings import KafkaSettings
 from services.gateway.app import build_gateway, create_app
-from services.gateway.providers.config import BM25Config
 from services.gateway.settings import GatewaySettings
+from services.providers.config import BM25Config
 from tests.fakes import StaticProvider, failing
 
 

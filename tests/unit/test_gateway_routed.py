@@ -15,11 +15,11 @@ from pydantic import ValidationError
 from schemas import AdapterPublished, Trace, topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings, RedisSettings
+from services.common.stamps import MemoryStampStore
 from services.gateway.app import Gateway, build_gateway, create_app
-from services.gateway.providers.base import Provider
-from services.gateway.providers.config import BM25Config
 from services.gateway.settings import GatewaySettings, RoutingSettings
-from services.publisher.store import MemoryStampStore
+from services.providers.base import Provider
+from services.providers.config import BM25Config
 from services.router.client import RouterClient
 from services.router.policy import in_fanout_slice
 from tests.fakes import StaticProvider, failing

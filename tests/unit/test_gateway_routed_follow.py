@@ -10,8 +10,8 @@ import pytest
 from schemas import AdapterPublished, topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings
+from services.common.stamps import MemoryStampStore, parse_promoted
 from services.gateway.follow import Promoted, PromotedFollower
-from services.publisher.store import MemoryStampStore, parse_promoted
 
 
 def announcement(version: int, *, promoted: bool = True, model_id: str = "router",

@@ -8,7 +8,11 @@ import ir_measures
 import pytest
 
 from services.common.ir import ndcg_at_k
-from services.gateway.providers.collections import default_collections_dir, load_corpus, load_qrels
+from services.providers.collections import (
+    default_collections_dir,
+    load_corpus,
+    load_qrels,
+)
 
 
 def test_hand_computed():

@@ -20,7 +20,12 @@ import pytest
 
 from services.common.errors import ConfigError
 from services.judge.backends.anthropic import AnthropicJudge
-from services.judge.backends.http import _HttpJudge, backoff_delay, normalise_endpoint, retry_after_s
+from services.judge.backends.http import (
+    _HttpJudge,
+    backoff_delay,
+    normalise_endpoint,
+    retry_after_s,
+)
 from services.judge.backends.openai import OpenAIJudge, seed_for
 from services.judge.base import BlindCandidate, JudgeFailed, JudgeRequest, Source
 from services.judge.rubric import SYSTEM, render_user

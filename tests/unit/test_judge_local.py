@@ -8,16 +8,29 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from services.gateway.providers.collections import (
-    default_collections_dir, load_corpus, load_qrels, load_queries,
-)
-from services.gateway.providers.config import BM25Config, DenseConfig
 from services.judge.backends.local import (
-    LEXICAL_MODEL, LocalJudge, conflicting_providers, content_stems, coverage, discounted_mean,
-    grade_of, request_idf,
+    LEXICAL_MODEL,
+    LocalJudge,
+    conflicting_providers,
+    content_stems,
+    coverage,
+    discounted_mean,
+    grade_of,
+    request_idf,
 )
 from services.judge.base import BlindCandidate, JudgeFailed, JudgeRequest, Source
-from services.judge.settings_local import EMBEDDING_THRESHOLDS, LEXICAL_THRESHOLDS, LocalJudgeConfig
+from services.judge.settings_local import (
+    EMBEDDING_THRESHOLDS,
+    LEXICAL_THRESHOLDS,
+    LocalJudgeConfig,
+)
+from services.providers.collections import (
+    default_collections_dir,
+    load_corpus,
+    load_qrels,
+    load_queries,
+)
+from services.providers.config import BM25Config, DenseConfig
 
 QUERY = "heat transfer to the wings of hypersonic aircraft"
 ON_TOPIC = (

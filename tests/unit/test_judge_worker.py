@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from schemas import Verdict, topic
@@ -10,16 +9,16 @@ from services.common.bus import Bus
 from services.common.errors import ConfigError
 from services.common.idempotency import MemoryKeyStore
 from services.common.settings import KafkaSettings
-from services.gateway.providers.config import BM25Config, DenseConfig, SearxngConfig
 from services.judge.__main__ import guard
-from services.judge.settings import JudgeSettings
-from services.judge.settings_local import LocalJudgeConfig
 from services.judge.base import JudgeIdentity
 from services.judge.blind import blind, shuffle_seed
 from services.judge.guard import check_not_a_provider
 from services.judge.rubric import render_user
 from services.judge.sampling import sample_reason, unit_hash
+from services.judge.settings import JudgeSettings
+from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import JudgeWorker, verdict_id
+from services.providers.config import BM25Config, DenseConfig, SearxngConfig
 from tests.judge_fakes import KeywordJudge, judged_trace
 
 PROVIDERS = ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")

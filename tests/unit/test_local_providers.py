@@ -17,17 +17,33 @@ import numpy as np
 import pytest
 
 from services.common.errors import ConfigError, ProviderError
-from services.gateway.providers import index as idx
-from services.gateway.providers.base import build_answer
-from services.gateway.providers.collections import (
-    Doc, collection_hash, default_collections_dir, doc_url, load_corpus, load_qrels, load_queries,
+from services.providers import index as idx
+from services.providers.base import build_answer
+from services.providers.collections import (
+    Doc,
+    collection_hash,
+    default_collections_dir,
+    doc_url,
+    load_corpus,
+    load_qrels,
+    load_queries,
     parse_doc_url,
 )
-from services.gateway.providers.config import (
-    ALL_COLLECTIONS, BM25Config, DenseConfig, LatencyModel, SyntheticConfig,
+from services.providers.config import (
+    ALL_COLLECTIONS,
+    BM25Config,
+    DenseConfig,
+    LatencyModel,
+    SyntheticConfig,
 )
-from services.gateway.providers.local import (
-    SNIPPET_CHARS, BM25Provider, DenseProvider, SyntheticProvider, simulated_latency_ms, synthetic_doc_ids, top_k,
+from services.providers.local import (
+    SNIPPET_CHARS,
+    BM25Provider,
+    DenseProvider,
+    SyntheticProvider,
+    simulated_latency_ms,
+    synthetic_doc_ids,
+    top_k,
 )
 
 # Document counts from MANIFEST.md (the corpora are complete; queries are a development subset).

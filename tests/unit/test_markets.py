@@ -10,12 +10,19 @@ import pytest
 
 from services.common.errors import ConfigError
 from services.common.splits import dev_half
-from services.gateway.providers import index as idx
-from services.gateway.providers.config import BM25Config, DenseConfig, HybridConfig, LSAConfig
-from services.gateway.providers.local import BM25Provider, HybridProvider, LSAProvider
-from services.gateway.providers.markets import DOMAINS, MARKETS, domain_of, federated, market, nested
 from services.gateway.settings import GatewaySettings
 from services.judge.settings import JudgeSettings
+from services.providers import index as idx
+from services.providers.config import BM25Config, DenseConfig, HybridConfig, LSAConfig
+from services.providers.local import BM25Provider, HybridProvider, LSAProvider
+from services.providers.markets import (
+    DOMAINS,
+    MARKETS,
+    domain_of,
+    federated,
+    market,
+    nested,
+)
 from services.tools.replay import sample_queries
 
 
@@ -85,10 +92,14 @@ async def test_lsa_finds_documents_that_share_no_term_with_the_query(cache: Path
     scores = [c.score for c in ans.citations]
     assert scores == sorted(scores, reverse=True) and 0 < scores[0] <= 1.0001
     # documents without any of the query's (stemmed) terms are found too: BM25 cannot do that
-    from services.gateway.providers.collections import default_collections_dir, load_corpus, parse_doc_url
+    from services.providers.collections import (
+        default_collections_dir,
+        load_corpus,
+        parse_doc_url,
+    )
 
     text = {d.doc_id: f"{d.title} {d.text}" for d in load_corpus(default_collections_dir(), "med")}
-    from services.gateway.providers.collections import load_queries
+    from services.providers.collections import load_queries
 
     hits = 0
     for q in load_queries(default_collections_dir(), "med"):
@@ -112,9 +123,7 @@ async def test_hybrid_fuses_bm25_and_lsa_and_is_cached(cache: Path):
 
 
 async def test_shallow_index_reads_only_the_lead(cache: Path):
-    from services.gateway.providers.collections import load_corpus
-
-    from services.gateway.providers.collections import default_collections_dir
+    from services.providers.collections import default_collections_dir, load_corpus
 
     idx_dir = default_collections_dir()
     docs = list(load_corpus(idx_dir, "med"))
@@ -194,7 +203,7 @@ def test_market_cli_names_a_missing_collections_folder(tmp_path: Path, monkeypat
 
 
 def test_a_providers_file_with_bad_new_fields_is_refused_naming_the_field(tmp_path: Path) -> None:
-    from services.gateway.settings import load_providers_file
+    from services.providers.markets import load_providers_file
 
     cases = {'type = "lsa"\nname = "s"\ndim = 0': "dim",
              'type = "hybrid"\nname = "h"\nlsa_weight = -1': "lsa_weight",

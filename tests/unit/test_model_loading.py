@@ -82,7 +82,7 @@ def test_concurrent_dense_model_loads_leave_tying_intact(tmp_path: Path) -> None
     """Two providers starting at once (the demo's gateway) load MiniLM once, in turn."""
     from transformers import PreTrainedModel
 
-    from services.gateway.providers import index as idx
+    from services.providers import index as idx
 
     with hf.model_loading():
         pass

@@ -8,11 +8,11 @@ from datetime import UTC, datetime
 import pytest
 
 from services.cli import main
+from services.common.publisher_client import PublisherClientError
 from services.evaluate.baseline import BestSingle, ProviderRecord
 from services.evaluate.metrics import MeasureStats, PolicyMetrics
 from services.evaluate.promote import EXIT_REFUSED, decide
 from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, write_json
-from services.publisher.client import PublisherClientError
 
 
 def _metrics(policy: str, human: float | None, judge: float | None, adapter: str | None = None) -> PolicyMetrics:
@@ -106,7 +106,7 @@ class FakePublisher:
 
 @pytest.fixture
 def publisher(monkeypatch):
-    import services.publisher.client as client_mod
+    import services.common.publisher_client as client_mod
 
     class P(FakePublisher):  # a fresh class per test: its attributes are that test's script
         calls: list = []

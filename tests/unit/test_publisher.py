@@ -11,16 +11,16 @@ import pytest
 from fastapi.testclient import TestClient
 
 from schemas import AdapterPublished, topic
+from services.common.adapter_files import HashMismatch
 from services.common.bus import Bus
 from services.common.errors import BusError
+from services.common.publisher_client import PublisherClient, PublisherClientError
 from services.common.settings import KafkaSettings, RedisSettings
+from services.common.stamps import MemoryStampStore
 from services.publisher.app import Publisher, create_app
-from services.publisher.client import PublisherClient, PublisherClientError
 from services.publisher.export import export_merged, export_peft
 from services.publisher.settings import PublisherSettings
-from services.publisher.store import (
-    BlobStore, HashMismatch, ManifestStore, MemoryStampStore, retention_victims,
-)
+from services.publisher.store import BlobStore, ManifestStore, retention_victims
 
 BASE = "http://testserver"
 

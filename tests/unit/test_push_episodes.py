@@ -11,8 +11,8 @@ from schemas import Episode, topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings
 from services.gateway.app import build_gateway, create_app
-from services.gateway.providers.config import BM25Config
 from services.gateway.settings import GatewaySettings
+from services.providers.config import BM25Config
 from tests.factories import all_examples
 from tests.fakes import StaticProvider
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from schemas import Trace
-from services.gateway.providers.collections import default_collections_dir, load_qrels
+from services.providers.collections import default_collections_dir, load_qrels
 from services.tools.report import render, score_traces, write_report
 from tests.factories import NOW, candidate, signals
 

@@ -8,7 +8,12 @@ import socket
 import pytest
 
 from services.episodes.build import system_prompt
-from services.router.client import RouterClient, RouterError, RouterTimeout, RouterUnparseable
+from services.router.client import (
+    RouterClient,
+    RouterError,
+    RouterTimeout,
+    RouterUnparseable,
+)
 from tests.http_fake import Reply, ScriptedServer, chat_completion
 
 PROVIDERS = ("bm25-all", "dense-all", "bio-dense")

@@ -451,12 +451,12 @@ async def test_pulls_through_the_real_publisher_and_its_client(tiny, tmp_path):
     from fastapi.testclient import TestClient
 
     from services.common.bus import Bus
+    from services.common.publisher_client import PublisherClient
     from services.common.settings import RedisSettings
+    from services.common.stamps import MemoryStampStore
     from services.publisher.app import Publisher
     from services.publisher.app import create_app as publisher_app
-    from services.publisher.client import PublisherClient
     from services.publisher.settings import PublisherSettings
-    from services.publisher.store import MemoryStampStore
     from services.sampler.worker import default_fetcher
 
     url = "http://publisher"

@@ -347,10 +347,10 @@ def test_publisher_url_builds_the_client_lazily_and_failures_are_reported(make_s
             calls.append((self.base_url, model_id))
             raise ConnectionError("publisher down")
 
-    client = types.ModuleType("services.publisher.client")
+    client = types.ModuleType("services.common.publisher_client")
     client.PublisherClient = PublisherClient
     monkeypatch.setitem(sys.modules, "services.publisher", types.ModuleType("services.publisher"))
-    monkeypatch.setitem(sys.modules, "services.publisher.client", client)
+    monkeypatch.setitem(sys.modules, "services.common.publisher_client", client)
     s = make_settings([episode(i) for i in range(2)], publisher_url="http://publisher:8080")
     with pytest.raises(PublishError, match="but publishing run failed: publisher down"):
         train(s)
@@ -401,10 +401,10 @@ def test_trainer_publishes_through_the_real_publisher_client(make_settings, tmp_
 
 
 def test_default_reward_is_the_primary_one_not_the_first_by_name():
+    from services.episodes.build import build_episode, ndcg_component
     from services.trainer.data import episode_judge, reward_of
     from tests.episode_fakes import verdict_for
     from tests.judge_fakes import judged_trace
-    from services.episodes.build import build_episode, ndcg_component
 
     t = judged_trace("p1")
     first = verdict_for("p1", model="zeta-judge")

@@ -22,8 +22,8 @@ from services.common.errors import (
     ProviderRateLimited,
     ProviderTimeout,
 )
-from services.gateway.providers import web
-from services.gateway.providers.base import ProviderAnswer, build_answer
+from services.providers import web
+from services.providers.base import ProviderAnswer, build_answer
 from tests.unit.web_api_fakes import (
     APIS,
     ELASTIC,
@@ -232,7 +232,7 @@ async def test_serpapi_error_body_at_http_200_without_metadata_is_an_error(fake:
 
 async def test_serpapi_key_stays_out_of_request_logs(fake: FakeApis,
                                                      caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.DEBUG, logger="services.gateway.providers.web"):
+    with caplog.at_level(logging.DEBUG, logger="services.providers.web"):
         await ask(APIS["serpapi"], fake, Reply(200, APIS["serpapi"].ok()))
 
     assert "HTTP Request: GET" in caplog.text and "api_key=***" in caplog.text

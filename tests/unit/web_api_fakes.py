@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from services.gateway.providers import config as c
-from services.gateway.providers import web
+from services.providers import config as c
+from services.providers import web
 from tests.http_fake import Reply, ScriptedServer
 
 __all__ = ["FakeApis", "Reply"]

@@ -27,10 +27,16 @@ from yarl import URL
 
 from services.common.errors import ConfigError
 from services.common.settings import secret_value
-from services.gateway.providers.web import _redact, _retry_after_s
-from services.judge.base import JudgeBackend, JudgeFailed, JudgeIdentity, JudgeRequest, JudgeResult
+from services.judge.base import (
+    JudgeBackend,
+    JudgeFailed,
+    JudgeIdentity,
+    JudgeRequest,
+    JudgeResult,
+)
 from services.judge.parse import parse_judgement
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
+from services.providers.web import _redact, _retry_after_s
 
 log = logging.getLogger(__name__)
 

@@ -36,13 +36,18 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import ConfigError
-from services.gateway.providers import index as idx
-from services.gateway.providers.config import DenseConfig, ProviderConfig
-from services.judge.base import (
-    JudgeBackend, JudgeFailed, JudgeIdentity, JudgeRequest, JudgeResult, Source,
-)
 from services.judge.backends.embed_cache import EmbeddingCache, default_cache_path
+from services.judge.base import (
+    JudgeBackend,
+    JudgeFailed,
+    JudgeIdentity,
+    JudgeRequest,
+    JudgeResult,
+    Source,
+)
 from services.judge.settings_local import LocalJudgeConfig
+from services.providers import index as idx
+from services.providers.config import DenseConfig, ProviderConfig
 
 LEXICAL_MODEL = "local-lexical-v1"
 EMBEDDING_MODEL_PREFIX = "local-lexical+minilm-v1"

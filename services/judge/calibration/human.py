@@ -14,11 +14,14 @@ from pathlib import Path
 
 from schemas.trace import Trace
 from services.common.ir import ndcg_at_k
-from services.gateway.providers.collections import (
-    URL_SCHEME, default_collections_dir, load_qrels, parse_doc_url,
-)
-from services.gateway.providers.config import ALL_COLLECTIONS
 from services.judge.calibration.metrics import Tiers
+from services.providers.collections import (
+    URL_SCHEME,
+    default_collections_dir,
+    load_qrels,
+    parse_doc_url,
+)
+from services.providers.config import ALL_COLLECTIONS
 
 #: nDCG@10 lower bounds of grades 2 and 3; any nDCG above 0 is at least grade 1.
 NDCG_CUTS: tuple[float, float] = (0.3, 0.6)

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
+from services.common.adapter_files import CHUNK, materialize, sha256_file
 from services.common.errors import FanrouteError
-from services.publisher.store import CHUNK, materialize, sha256_file
 
 
 class PublisherClientError(FanrouteError, RuntimeError):

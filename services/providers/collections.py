@@ -17,7 +17,7 @@ from typing import IO
 from urllib.parse import quote, unquote
 
 from services.common.errors import ConfigError
-from services.gateway.providers.config import ALL_COLLECTIONS
+from services.providers.config import ALL_COLLECTIONS
 
 COLLECTIONS_DIR_ENV = "FANROUTE_COLLECTIONS_DIR"
 URL_SCHEME = "collection://"

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import ConfigError
-from services.gateway.providers.collections import Doc
+from services.providers.collections import Doc
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from schemas.trace import Candidate, Trace
 from services.common.errors import ProviderError, ProviderTimeout
-from services.gateway.providers.base import Provider
+from services.providers.base import Provider
 
 log = logging.getLogger(__name__)
 

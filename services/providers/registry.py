@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.gateway.providers import config as c
-from services.gateway.providers.base import Provider
+from services.providers import config as c
+from services.providers.base import Provider
 
 
 def build_provider(cfg: c.ProviderConfig, *, collections_dir: Path | None = None,
                    cache_dir: Path | None = None) -> Provider:
     """One provider instance; nothing is loaded until its ``start()``."""
-    from services.gateway.providers import local, web
+    from services.providers import local, web
 
     if isinstance(cfg, c.HybridConfig):
         return local.HybridProvider(cfg, collections_dir=collections_dir, cache_dir=cache_dir)

@@ -20,15 +20,25 @@ import numpy as np
 
 from schemas.trace import Citation
 from services.common.errors import ProviderError
-from services.gateway.providers import index as idx
-from services.gateway.providers.base import Provider, ProviderAnswer, build_answer
-from services.gateway.providers.collections import (
-    Doc, check_names, collection_hash, default_collections_dir, doc_url, load_corpus,
+from services.providers import index as idx
+from services.providers.base import Provider, ProviderAnswer, build_answer
+from services.providers.collections import (
+    Doc,
+    check_names,
+    collection_hash,
+    default_collections_dir,
+    doc_url,
+    load_corpus,
 )
-from services.gateway.providers.config import (
-    BM25Config, DenseConfig, HybridConfig, LatencyModel, LSAConfig, SyntheticConfig,
+from services.providers.config import (
+    BM25Config,
+    DenseConfig,
+    HybridConfig,
+    LatencyModel,
+    LSAConfig,
+    SyntheticConfig,
 )
-from services.gateway.providers.lsa import LSAIndex, build_lsa, lsa_params
+from services.providers.lsa import LSAIndex, build_lsa, lsa_params
 
 SNIPPET_CHARS = 600  # what the judge reads of each source; 300 left it grading the generalists by the very lead they indexed
 SYNTHETIC_COLLECTION = "synthetic"

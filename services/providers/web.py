@@ -41,8 +41,8 @@ from services.common.errors import (
     ProviderTimeout,
 )
 from services.common.settings import secret_value
-from services.gateway.providers.base import Provider, ProviderAnswer, build_answer
-from services.gateway.providers.config import (
+from services.providers.base import Provider, ProviderAnswer, build_answer
+from services.providers.config import (
     BraveConfig,
     ExaConfig,
     SearxngConfig,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from services.gateway.providers import index as idx
-from services.gateway.providers.collections import Doc
+from services.providers import index as idx
+from services.providers.collections import Doc
 
 DOCS_FACTORS_FILE = "lsa_docs.npy"
 TERM_FACTORS_FILE = "lsa_terms.npy"

@@ -20,11 +20,23 @@ compute. ``fanroute market`` prints each market's quality and cost table against
 
 from __future__ import annotations
 
+import json
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
-from services.gateway.providers.config import (
-    BM25Config, DenseConfig, HybridConfig, LatencyModel, LSAConfig, ProviderConfig,
+from pydantic import TypeAdapter, ValidationError
+
+from schemas.base import summarise
+from services.common.errors import ConfigError
+from services.providers.config import (
+    BM25Config,
+    DenseConfig,
+    HybridConfig,
+    LatencyModel,
+    LSAConfig,
+    ProviderConfig,
 )
 
 MarketName = Literal["federated", "nested"]
@@ -104,3 +116,33 @@ def market(name: MarketName) -> list[ProviderConfig]:
 def domain_of(collection: str) -> str:
     """The domain a collection belongs to (KeyError for an unknown one)."""
     return next(d for d, cols in DOMAINS.items() if collection in cols)
+
+
+def default_providers() -> list[ProviderConfig]:
+    """The embedded default: the ``federated`` market (see :func:`federated`)."""
+    return market(DEFAULT_MARKET)
+
+
+def providers_in_force(providers: list[ProviderConfig], *, explicit: bool, providers_file: Path | None,
+                       market_name: MarketName) -> list[ProviderConfig]:
+    """The file's providers if one is named, else an explicitly given list, else the market preset's."""
+    if providers_file is not None:
+        return load_providers_file(providers_file)
+    return providers if explicit else market(market_name)
+
+
+_PROVIDERS = TypeAdapter(list[ProviderConfig])
+
+
+def load_providers_file(path: Path) -> list[ProviderConfig]:
+    """Read ``providers`` from a TOML or JSON file; errors name the file and the field."""
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        entries = data["providers"] if isinstance(data, dict) else data
+    except (OSError, KeyError, ValueError) as exc:  # TOML/JSON errors name the line and column
+        raise ConfigError(f"{path}: cannot read providers: {exc}") from exc
+    try:
+        return _PROVIDERS.validate_python(entries)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: invalid providers: {summarise(exc)} (paths are providers[i].field)") from exc

@@ -1,0 +1,108 @@
+"""The adapter directory contract: which files a published PEFT adapter may hold, their hashes, and
+how a consumer materialises them (verified, all or nothing).
+
+Shared by the publisher (checks uploads), its client (pulls versions) and the sampler (verifies
+what it pulled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from services.common.errors import FanrouteError
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+REQUIRED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
+#: What a PEFT adapter directory may hold: the adapter, its card, and the tokenizer saved beside it.
+#: No pickles (``.bin``): a consumer should never have to unpickle what it pulled.
+ADAPTER_FILES = REQUIRED_FILES | frozenset({
+    "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
+})
+CHUNK = 1 << 20
+
+
+class AdapterFilesError(FanrouteError, ValueError):
+    """An adapter's file list or bytes are not acceptable; ``status``/``error`` become an HTTP answer."""
+
+    status = 400
+    error = "bad_request"
+
+
+class BadAdapterFiles(AdapterFilesError):
+    """The file list is not a plain PEFT adapter directory."""
+
+    error = "bad_files"
+
+
+class HashMismatch(AdapterFilesError):
+    """Bytes whose sha256 is not the one they were announced with."""
+
+    error = "hash_mismatch"
+
+
+def sha256_file(path: Path) -> str:
+    """The hex sha256 of a file, read in chunks."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_adapter_files(files: dict[str, str]) -> None:
+    """Refuse anything but plain PEFT adapter file names with well-formed hashes."""
+    bad = sorted(n for n in files if n not in ADAPTER_FILES)
+    if bad:
+        why = "path separators are not allowed" if any("/" in n or "\\" in n for n in bad) else "unknown"
+        raise BadAdapterFiles(f"files {bad}: not plain PEFT adapter files ({why}); "
+                              f"allowed: {sorted(ADAPTER_FILES)}")
+    missing = sorted(REQUIRED_FILES - files.keys())
+    if missing:
+        raise BadAdapterFiles(f"an adapter needs {missing}")
+    for name, sha in files.items():
+        if not SHA256_RE.match(sha):
+            raise BadAdapterFiles(f"files.{name}: not a sha256 (64 lowercase hex digits): {sha!r}")
+
+
+def materialize(dest: Path, files: dict[str, str], read: Callable[[str, str], Iterable[bytes]]) -> Path:
+    """Write ``files`` (name → sha256) into the new directory ``dest``, verifying every hash.
+
+    ``read(name, sha)`` yields the file's bytes. Files land in a temporary sibling directory that
+    is renamed to ``dest`` only when all of them verify, so a failure leaves nothing behind. An
+    empty ``dest`` is filled (replaced by the rename); one that already holds exactly these files
+    is returned as is; any other existing ``dest`` is refused.
+    """
+    check_adapter_files(files)
+    if dest.exists() and any(dest.iterdir()):
+        if _holds_exactly(dest, files):
+            return dest
+        raise FileExistsError(f"{dest} exists and does not hold exactly these files; remove it first")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.partial-"))
+    try:
+        for name, sha in sorted(files.items()):
+            h = hashlib.sha256()
+            with (tmp / name).open("wb") as f:
+                for chunk in read(name, sha):
+                    h.update(chunk)
+                    f.write(chunk)
+            if h.hexdigest() != sha:
+                raise HashMismatch(f"{name}: received bytes hash to {h.hexdigest()}, expected {sha}; "
+                                   f"nothing was written to {dest}")
+        os.rename(tmp, dest)  # POSIX: replaces an empty directory atomically
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _holds_exactly(directory: Path, files: dict[str, str]) -> bool:
+    present = {p.name for p in directory.iterdir()}
+    return present == set(files) and all(sha256_file(directory / n) == s for n, s in files.items())
