@@ -2,7 +2,7 @@
 # Both bootstrap first; bootstrap is idempotent and takes about a second once done.
 PYTHON ?= python
 PYTEST_ARGS ?=
-STACK := $(PYTHON) -m services.common.stack
+STACK := $(PYTHON) -m devstack
 
 .PHONY: bootstrap test demo stack-up stack-down stack-status
 
@@ -16,7 +16,7 @@ test: bootstrap
 demo: bootstrap
 	$(PYTHON) -m services.cli demo
 
-# A long-lived local stack in .stack/ (eval "$$(python -m services.common.stack up)" exports its endpoints).
+# A long-lived local stack in .stack/ (eval "$$(python -m devstack up)" exports its endpoints).
 stack-up: bootstrap
 	$(STACK) up
 

@@ -3,7 +3,7 @@
 #   1. system packages (apt): redis-server, a Java 17+ runtime and Maven — only those missing;
 #   2. the project itself: `pip install -e '.[dev]'` — only when something it needs is missing
 #      or does not satisfy pyproject.toml;
-#   3. the Kafka broker jars from Maven Central (python -m services.common.stack prepare) —
+#   3. the Kafka broker jars from Maven Central (python -m devstack prepare) —
 #      only when not resolved yet for the current scripts/kafka/pom.xml.
 # When everything is in place it finishes in about a second. Run as root (or with sudo).
 # PYTHON selects the interpreter (default: python).
@@ -117,4 +117,4 @@ else
 fi
 
 # --------------------------------------------------------------------------- 3. Kafka jars
-"$PYTHON" -m services.common.stack prepare
+"$PYTHON" -m devstack prepare

@@ -5,7 +5,7 @@ Where they come from, first match wins:
 1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` in the environment (CI or a stack you run);
 2. containers (``apache/kafka:4.1.1``, ``redis:7``) through testcontainers, only when a
    Docker daemon answers and the optional ``testcontainers`` package is installed;
-3. the project's own local stack (``services.common.stack``): broker data in a session temp
+3. the project's own local stack (``devstack``): broker data in a session temp
    dir, jars from the shared cache ``<repo>/.stack/kafka-libs``, any free ports.
 
 ``FANROUTE_TEST_STACK=env|docker|local`` forces a source (``env`` = fail if the variables
@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from services.common import stack
+import devstack as stack
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_LIBS = REPO / ".stack" / "kafka-libs"

@@ -6,13 +6,13 @@ into ``<state-dir>/kafka-libs`` and re-resolved only when the pom changes. Redis
 
 CLI::
 
-    python -m services.common.stack up      [--state-dir DIR] [--kafka-port N] [--redis-port N]
-    python -m services.common.stack status  [--state-dir DIR] [--json]
-    python -m services.common.stack down    [--state-dir DIR] [--wipe]
-    python -m services.common.stack prepare [--state-dir DIR]     # only resolve the jars
+    python -m devstack up      [--state-dir DIR] [--kafka-port N] [--redis-port N]
+    python -m devstack status  [--state-dir DIR] [--json]
+    python -m devstack down    [--state-dir DIR] [--wipe]
+    python -m devstack prepare [--state-dir DIR]     # only resolve the jars
 
 ``up`` prints progress on stderr and ``export NAME=value`` lines on stdout, so
-``eval "$(python -m services.common.stack up)"`` points a shell at the stack. Endpoints are kept
+``eval "$(python -m devstack up)"`` points a shell at the stack. Endpoints are kept
 in ``<state-dir>/stack.json``; ``up`` on a running stack only reports it.
 
 From Python (tests): ``up(state_dir) -> StackInfo``, ``down(state_dir)``, ``status(state_dir)``.
@@ -46,7 +46,7 @@ from typing import Any
 
 from services.common.errors import FanrouteError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 POM = REPO_ROOT / "scripts" / "kafka" / "pom.xml"
 DEFAULT_STATE_DIR = REPO_ROOT / ".stack"
 
@@ -421,13 +421,13 @@ def _server_properties(port: int, controller_port: int, data_dir: Path) -> str:
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
     }
-    return ("# written by services/common/stack.py; regenerated on every start\n"
+    return ("# written by devstack/stack.py; regenerated on every start\n"
             + "".join(f"{k}={v}\n" for k, v in props.items()))
 
 
 def _log4j2_properties(log_file: Path) -> str:
     return "\n".join([
-        "# written by services/common/stack.py",
+        "# written by devstack/stack.py",
         "status = warn",
         "name = fanroute-stack-kafka",
         # Kafka flushes its own shutdown; log4j's hook would stop logging half-way through it.
@@ -750,7 +750,7 @@ def _print_env(info: StackInfo) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.common.stack",
+    parser = argparse.ArgumentParser(prog="python -m devstack",
                                      description="Local Kafka (KRaft, from Maven jars) + redis-server.")
     parser.add_argument("command", choices=("up", "down", "status", "prepare"))
     parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR,
