@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from devstack.stack import main
+from devstack.cli import build_parser, run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run(build_parser().parse_args()))
