@@ -66,7 +66,7 @@ def default_collections_dir() -> Path:
         path = Path(env).expanduser()
         source = f"${COLLECTIONS_DIR_ENV}"
     else:
-        repo_root = Path(__file__).resolve().parents[3]
+        repo_root = Path(__file__).resolve().parents[2]
         path = repo_root.parent / "shared" / "data" / "collections"
         source = "the default location"
     if not path.is_dir():
