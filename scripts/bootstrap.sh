@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make a fresh Debian machine able to run fanroute's tests and demo, idempotently:
-#   1. system packages (apt): redis-server, a Java 17+ runtime and Maven — only those missing;
+#   1. system packages (apt): redis-server, a Java 17+ runtime, Maven, and docker-compose (only to
+#      validate compose.yaml in the tests, no Docker engine) — only those missing;
 #   2. the project itself: `pip install -e '.[dev]'` — only when something it needs is missing
 #      or does not satisfy pyproject.toml;
 #   3. the Kafka broker jars from Maven Central (python -m devstack prepare) —
@@ -21,6 +22,8 @@ if ! command -v java >/dev/null 2>&1; then
     missing+=(openjdk-17-jre-headless)
 fi
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
+# Debian's docker-compose validates compose.yaml (`docker-compose config -q`) without an engine.
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 
 if ((${#missing[@]})); then
     SUDO=()
@@ -32,7 +35,7 @@ if ((${#missing[@]})); then
     "${SUDO[@]}" apt-get update -q
     DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    say "redis-server, java and mvn already installed"
+    say "redis-server, java, mvn and docker-compose already installed"
 fi
 
 java_major=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java.specification.version = //p' | cut -d. -f1)
@@ -47,6 +50,7 @@ fi
 deps_ok() {
     "$PYTHON" - <<'PY'
 import importlib.metadata as md
+import importlib.util
 import json
 import pathlib
 import sys
@@ -61,7 +65,8 @@ except ImportError:
 root = pathlib.Path.cwd().resolve()
 # Look only at what is installed: the in-tree fanroute.egg-info would shadow the real record.
 sys.path[:] = [p for p in sys.path if p not in ("", ".") and pathlib.Path(p).resolve() != root]
-project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+pyproject = tomllib.loads((root / "pyproject.toml").read_text())
+project = pyproject["project"]
 name = canonicalize_name(project["name"])
 try:
     dist = md.distribution(name)
@@ -70,6 +75,14 @@ except (md.PackageNotFoundError, ValueError):
     sys.exit(1)
 if not direct.get("dir_info", {}).get("editable") or direct.get("url") != root.as_uri():
     sys.exit(1)
+# An editable install maps only the packages that existed when it was made: one added since
+# (e.g. devstack) must import from this checkout too, else reinstall.
+for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+    top = pattern.split(".")[0].rstrip("*")
+    spec = importlib.util.find_spec(top) if top else None
+    if top and (spec is None or not spec.origin or root not in pathlib.Path(spec.origin).resolve().parents):
+        print(f"not installed from this checkout: {top}", file=sys.stderr)
+        sys.exit(1)
 
 extras = project.get("optional-dependencies", {})
 todo, seen_extras, reqs = ["dev"], set(), list(project.get("dependencies", []))
