@@ -22,11 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from services.common.ir import ndcg_at_k  # noqa: E402
 from services.common.splits import dev_half  # noqa: E402
 from services.judge.calibration.human import ranked_doc_ids  # noqa: E402
-from services.providers.collections import default_collections_dir, load_qrels  # noqa: E402
+from services.providers.collections import (  # noqa: E402
+    default_collections_dir,
+    load_qrels,
+    sample_queries,  # noqa: E402
+)
 from services.providers.config import HybridConfig  # noqa: E402
 from services.providers.local import HybridProvider  # noqa: E402
 from services.providers.markets import DOMAINS  # noqa: E402
-from services.tools.replay import sample_queries  # noqa: E402
 
 K1S, BS, WEIGHTS = (0.9, 1.2, 1.5, 2.0), (0.4, 0.75, 0.9), (0.0, 0.2, 0.4, 0.6, 1.0)
 DEFAULT = (1.2, 0.75, 0.0)

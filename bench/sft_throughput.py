@@ -36,8 +36,8 @@ def make_episodes(n: int, path: Path, seed: int = 0) -> Path:
 
     from schemas.episode import ChatMessage, Episode, RewardComponent
     from services.common.ndcg import format_ordering
-    from services.episodes.build import system_prompt
-    from services.tools.replay import sample_queries
+    from services.common.prompt import system_prompt
+    from services.providers.collections import sample_queries
 
     rng = random.Random(seed)
     eps = []

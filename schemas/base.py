@@ -8,7 +8,7 @@ from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from services.common.errors import SchemaError, UnknownSchemaVersion
+from schemas.errors import SchemaError, UnknownSchemaVersion
 
 M = TypeVar("M", bound="Message")
 

@@ -14,7 +14,7 @@ from starlette.routing import Route
 
 from schemas.episode import ChatMessage, Episode
 from schemas.trace import Candidate, Citation, Trace
-from services.episodes.build import system_prompt
+from services.common.prompt import system_prompt
 from services.providers.collections import (
     Doc,
     default_collections_dir,

@@ -1,4 +1,4 @@
-"""The one exception root of fanroute.
+"""The exceptions of fanroute, under one root (:class:`schemas.errors.FanrouteError`).
 
 Every subclass also inherits the built-in it behaves like, so callers that only know the
 standard library (``except ValueError``) still catch it.
@@ -6,25 +6,24 @@ standard library (``except ValueError``) still catch it.
 
 from __future__ import annotations
 
-
-class FanrouteError(Exception):
-    """Root of every error fanroute raises on purpose."""
+# The root and the schema errors live in schemas (the lowest layer); every other error is here.
+from schemas.errors import FanrouteError, SchemaError, UnknownSchemaVersion  # noqa: F401
 
 
 class ConfigError(FanrouteError, ValueError):
     """A setting or config file is invalid; raised at start-up, never per message."""
 
 
-class SchemaError(FanrouteError, ValueError):
-    """A message on a topic does not match its schema."""
-
-
-class UnknownSchemaVersion(SchemaError):
-    """A message carries a ``schema_version`` this build does not read."""
-
-
 class BusError(FanrouteError, ConnectionError):
     """Kafka did not accept or deliver a message."""
+
+
+class TransientError(FanrouteError, ConnectionError):
+    """A dependency (the publisher, Redis, ...) is briefly down: try the same work again later.
+
+    A bus handler raises it to have its record retried in place with backoff, never dead-lettered
+    (see ``services.common.bus``); anything else a handler raises counts as a failure of the record.
+    """
 
 
 class ProviderError(FanrouteError, RuntimeError):

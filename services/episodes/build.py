@@ -10,21 +10,7 @@ from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.trace import Trace
 from schemas.verdict import Verdict
 from services.common.ndcg import format_ordering, tie_aware_ndcg
-
-SYSTEM_TEMPLATE = (
-    "You route search queries to search providers. The providers are: {names}.\n"
-    "Read the user's query and answer with every provider, best first, in one line: names "
-    "separated by ' > ', equally good providers joined by ' = ' (for example: {example}). "
-    "Answer with that line only."
-)
-
-
-def system_prompt(providers: Iterable[str]) -> str:
-    """The system turn: the provider names to choose from, nothing about their answers."""
-    names = sorted(set(providers))
-    example = " > ".join(names[:2]) + (f" = {names[2]}" if len(names) > 2 else "")
-    return SYSTEM_TEMPLATE.format(names=", ".join(names), example=example)
-
+from services.common.prompt import reward_name, router_turns
 
 #: Within a tier of the judge's ordering (equal grades), the cheaper provider is named first, then the
 #: faster (this trace's measured latency), then by name: a router that learns "first name" learns the
@@ -47,7 +33,7 @@ def episode_id(trace_id: str) -> str:
 def ndcg_component(ep_id: str, verdict: Verdict, tiers: tuple[tuple[str, ...], ...]) -> RewardComponent:
     """Tie-aware nDCG of ``tiers`` against this verdict's grades, named after judge and rubric."""
     grades = {g.provider: float(g.grade) for g in verdict.grades}
-    name = f"ndcg:{verdict.judge_model}:{verdict.rubric_hash[:8]}"
+    name = reward_name(verdict.judge_model, verdict.rubric_hash)
     return RewardComponent(component_id=content_id(ep_id, name), name=name,
                            value=round(tie_aware_ndcg(tiers, grades), 6), source=verdict.verdict_id)
 
@@ -64,8 +50,7 @@ def build_episode(trace: Trace, verdict: Verdict, components: Iterable[RewardCom
     ordering = cost_aware(verdict.ordering, trace)
     return Episode(
         episode_id=ep_id, trace_id=trace.trace_id, created_at=now or datetime.now(UTC),
-        messages=(ChatMessage(role="system", content=system_prompt(c.provider for c in trace.candidates)),
-                  ChatMessage(role="user", content=trace.query),
+        messages=(*router_turns((c.provider for c in trace.candidates), trace.query),
                   ChatMessage(role="assistant", content=format_ordering(ordering, keep_tier_order=True))),
         rewards=tuple(sorted(rewards.values(), key=lambda c: c.name)), primary_reward=own.name,
         label_rule=LABEL_RULE)

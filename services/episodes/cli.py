@@ -12,7 +12,6 @@ from services.common.files import instant
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    sub.add_parser("episodes", help="run the episode builder (same as python -m services.episodes)")
     d = sub.add_parser("dataset", help="the episode dataset as of a time, from the episodes topic")
     d.add_argument("--as-of", type=instant, default=None, help="ISO time (default: now)")
     d.add_argument("--out", type=Path, required=True, help="JSONL to write (canonical, sorted by id)")
@@ -43,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _dataset(kafka, args) -> int:
+    from services.common.dataset import dataset_as_of, write_jsonl
     from services.episodes.atif import write_atif
-    from services.episodes.dataset import dataset_as_of, write_jsonl
 
     as_of = args.as_of or datetime.now(UTC)
     episodes = await dataset_as_of(kafka, as_of)

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.episode import Episode
 from services.common.errors import FanrouteError
 from services.common.ndcg import parse_ordering
-from services.trainer.data import providers_of
+from services.common.prompt import providers_of
 
 RULE = ("highest share of training episodes with the provider in the judge's top tier; ties by lower mean "
         "tie-aware position (a tied tier counts as the mean of the positions it covers), then by name")

@@ -12,8 +12,8 @@ from schemas.episode import Episode
 from schemas.topics import topic
 from schemas.trace import Trace
 from services.common.errors import FanrouteError, SchemaError
+from services.common.prompt import query_of
 from services.common.settings import KafkaSettings
-from services.trainer.data import query_of
 
 
 class EvalInputError(FanrouteError, ValueError):

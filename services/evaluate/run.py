@@ -69,7 +69,7 @@ def resolve_deployed(opts: EvalOptions) -> tuple[str | None, Literal["auto", "ex
 
 async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
     """The whole evaluation; :class:`EvalInputError` (or another FanrouteError) on unusable input."""
-    from services.judge.__main__ import guard
+    from services.judge.guard import guard
     from services.trainer.data import load_episodes_file
 
     split_served_name(opts.candidate)
@@ -135,8 +135,8 @@ async def _score(opts: EvalOptions, settings: JudgeSettings,
                  traces: list[Trace]) -> tuple[list[QueryScores], JudgeRecord]:
     """Every trace with its human and judge scores, and who judged."""
     from services.evaluate.scoring import human_scores, judge_all
-    from services.judge.__main__ import provider_hosts
     from services.judge.calibration.human import QrelsStore
+    from services.judge.guard import provider_hosts
     from services.judge.rubric import RUBRIC_VERSION
     from services.judge.settings import build_backend
 

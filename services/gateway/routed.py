@@ -18,9 +18,9 @@ from services.common.stamps import RedisStampStore, StampStore
 from services.gateway.follow import Promoted, PromotedFollower
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
-from services.gateway.signals import compute_signals
 from services.providers.base import Provider
 from services.providers.fanout import call_provider
+from services.providers.signals import compute_signals
 from services.router.client import RouterAnswer, RouterClient, RouterError
 from services.router.policy import call_order, in_fanout_slice
 

@@ -34,10 +34,10 @@ from services.judge.calibration.metrics import (
     agreement_report,
 )
 from services.judge.worker import to_providers
+from services.providers.collections import sample_queries
 from services.providers.config import LatencyModel, ProviderConfig
 from services.providers.fanout import fan_out_trace
 from services.providers.registry import build_provider
-from services.tools.replay import sample_queries
 
 
 async def offline_traces(providers: list[ProviderConfig], *, n: int | None, seed: int,
@@ -101,19 +101,6 @@ def record_for(report: AgreementReport, backend: JudgeBackend, providers: list[s
 
 def _finite(x: float) -> float | None:
     return None if math.isnan(x) else round(x, 4)
-
-
-async def latest_gate(kafka: KafkaSettings, key: str) -> CalibrationRecord | None:
-    """The newest calibration record for ``key`` on the topic (None: never calibrated)."""
-    latest = None
-    async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{topic('calibrations').name}"):
-        try:
-            rec = decode(CalibrationRecord, raw)
-        except SchemaError:
-            continue
-        if rec.gate_key == key and (latest is None or rec.created_at >= latest.created_at):
-            latest = rec
-    return latest
 
 
 async def verdict_tiers(kafka: KafkaSettings, backend: JudgeBackend) -> dict[str, tuple[tuple[str, ...], ...]]:

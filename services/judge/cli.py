@@ -84,10 +84,13 @@ async def _report(settings, args) -> int:
 
 
 async def _export(settings, args) -> int:
+    from schemas.topics import topic
+    from schemas.trace import Trace
+    from services.common.replay_topic import read_messages
     from services.judge.calibration.files import export_blind
-    from services.tools.traces import read_traces
 
-    contested = [t async for t in read_traces(settings.kafka, idle_s=5) if t.signals.contested]
+    contested = [t async for t in read_messages(settings.kafka, topic("traces"), Trace, idle_s=5)
+                 if t.signals.contested]
     path, key = export_blind(contested, args.out, args.limit, args.seed)
     print(f"{min(args.limit, len(contested))} of {len(contested)} contested traces -> {path} (key: {key})")
     return 0
@@ -128,7 +131,7 @@ async def _mark(settings, args) -> int:
 
 async def _gate(settings, args) -> int:
     from schemas.calibration import gate_key
-    from services.judge.calibrate import latest_gate
+    from services.common.gates import latest_gate
     from services.judge.settings import build_backend
 
     backend = build_backend(settings.judge)

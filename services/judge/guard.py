@@ -6,11 +6,15 @@ model, or sits behind the same endpoint) flatters that provider, and the router 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from services.common.errors import ConfigError
 from services.judge.base import JudgeIdentity
 from services.providers.config import ProviderConfig
+
+if TYPE_CHECKING:
+    from services.judge.settings import JudgeSettings
 
 
 def _host(url: str | None) -> str | None:
@@ -54,3 +58,26 @@ def check_not_a_provider(identity: JudgeIdentity, providers: list[ProviderConfig
             raise ConfigError(f"the judge ({identity.kind} {identity.model}) is provider {cfg.name!r} "
                               f"({what}); a judge must have no arm in the race — pick another judge "
                               "or drop that provider from the judged set")
+
+
+def guard(settings: JudgeSettings) -> None:
+    """Refuse (ConfigError) when the configured judge is one of the judged providers: by name or
+    endpoint (any judge), or by sharing a dense provider's embedding model (local judge)."""
+    from services.judge.settings import build_backend
+    from services.judge.settings_local import LocalJudgeConfig
+
+    check_not_a_provider(build_backend(settings.judge).identity, settings.providers)
+    if isinstance(settings.judge, LocalJudgeConfig) and settings.judge.use_embeddings:
+        from services.judge.backends.local import conflicting_providers
+
+        clash = conflicting_providers(settings.judge, settings.providers)
+        if clash:
+            raise ConfigError(f"the local judge embeds with the same model as provider(s) {clash}; "
+                              "it would flatter them — use the lexical local judge "
+                              "(FANROUTE_JUDGE='{\"type\": \"local\"}') or another judge")
+
+
+def provider_hosts(settings: JudgeSettings) -> tuple[str, ...]:
+    """Hosts of web providers' endpoints: scrubbed from anything the judge reads."""
+    hosts = (urlsplit(getattr(p, "base_url", "") or "").hostname for p in settings.providers)
+    return tuple(h for h in hosts if h)

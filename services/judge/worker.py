@@ -7,8 +7,11 @@ its verdict lands beside the old one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -25,6 +28,9 @@ from services.judge.base import JudgeBackend, JudgeFailed, JudgeResult
 from services.judge.blind import Blinded, blind
 from services.judge.rubric import RUBRIC_VERSION
 from services.judge.sampling import Reason, sample_reason
+
+if TYPE_CHECKING:
+    from services.judge.settings import JudgeSettings
 
 log = logging.getLogger(__name__)
 
@@ -135,3 +141,41 @@ def to_providers(seen: Blinded, result: JudgeResult) -> tuple[tuple[CandidateGra
         else:
             tiers.append(failed)
     return tuple(sorted(grades, key=lambda g: g.provider)), tuple(tiers)
+
+
+async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> None:
+    """Consume traces until ``stop`` is set (or SIGTERM/SIGINT)."""
+    from prometheus_client import start_http_server
+
+    from services.common.bus import ensure_topics
+    from services.common.idempotency import key_store
+    from services.judge.guard import provider_hosts
+    from services.judge.settings import build_backend
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    backend = build_backend(settings.judge)
+    await backend.start()
+    bus = Bus(settings.kafka, client_id="fanroute-judge")
+    key = judge_key(backend, backend.rubric)
+    prefix = f"fanroute:{settings.kafka.topic_namespace}judge:{key}"  # namespaced like the topics
+    worker = JudgeWorker(bus, backend, key_store(settings.redis.url, prefix),
+                         sample_rate=settings.sample_rate, hide=provider_hosts(settings))
+    bus.subscribe(topic("traces"), worker.handle, group_id=f"{settings.group_prefix}.{worker.key}")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, registry=worker.metrics.registry)
+    if settings.kafka.ensure_topics:
+        await ensure_topics(settings.kafka, [(bus.name(s), s) for s in (topic("traces"), topic("verdicts"))])
+    found = await worker.reconcile(settings.kafka)  # before consuming: see JudgeWorker.reconcile
+    await bus.start()
+    log.info("reconciled %d verdicts already on the topic", found)
+    log.info("judge %s (%s) consuming traces as group %s.%s", backend.identity.model,
+             backend.identity.kind, settings.group_prefix, worker.key)
+    try:
+        await stop.wait()
+    finally:
+        await bus.stop()
+        await worker.store.close()
+        await backend.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from services.models.prepare import main
+from services.models.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

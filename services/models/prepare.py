@@ -8,10 +8,8 @@ embedded default (by name) or a Hugging Face directory on disk.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -144,36 +142,3 @@ def resolve_base(spec: str, *, prepare: bool = True) -> Path:
         raise ConfigError(f"base model {spec!r} is neither {DEFAULT_BASE!r} nor a Hugging Face directory "
                           "(no config.json there); hub names cannot be downloaded on these machines")
     return path
-
-
-def _add_actions(parser: argparse.ArgumentParser) -> None:
-    actions = parser.add_subparsers(dest="action", required=True)
-    p = actions.add_parser("prepare", help=f"cache {DEFAULT_BASE} from the installed GGUF as safetensors")
-    p.add_argument("--dir", type=Path, default=None,
-                   help=f"target directory (default ${MODELS_DIR_ENV}/{DEFAULT_BASE} or ~/.cache/fanroute/models/...)")
-    p.add_argument("--force", action="store_true", help="rebuild even if present")
-
-
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``models prepare [--dir DIR] [--force]`` on a subparsers object (``fanroute models ...``)."""
-    parser = sub.add_parser("models", help="base models for training and sampling")
-    _add_actions(parser)
-    return parser
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run ``fanroute models <action>``; 2 on a configuration problem."""
-    try:
-        path = prepare_base(args.dir, force=args.force)
-    except ConfigError as exc:
-        print(f"fanroute models: {exc}", file=sys.stderr)
-        return 2
-    print(path)
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m services.models prepare ...``."""
-    parser = argparse.ArgumentParser(prog="python -m services.models", description=__doc__.splitlines()[0])
-    _add_actions(parser)
-    return run(parser.parse_args(argv))

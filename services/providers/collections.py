@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import json
 import os
+import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,3 +170,24 @@ def parse_doc_url(url: str) -> DocRef:
     if not collection or not sep or not doc_id:
         raise ValueError(f"a {URL_SCHEME} URL needs <name>/<doc_id>: {url!r}")
     return DocRef(collection, unquote(doc_id))
+
+
+@dataclass(frozen=True)
+class ReplayQuery:
+    """One query to send, with the id that ties its trace back to the collection's qrels."""
+
+    query_id: str
+    text: str
+
+
+def sample_queries(collections: tuple[str, ...] = ALL_COLLECTIONS, *, limit: int | None = None,
+                   seed: int = 0, judged_only: bool = True, directory: Path | None = None) -> list[ReplayQuery]:
+    """Queries from the collections (ids ``<collection>/<query_id>``), shuffled by ``seed``."""
+    directory = directory or default_collections_dir()
+    out = []
+    for name in check_names(collections):
+        judged = load_qrels(directory, name) if judged_only else None
+        out += [ReplayQuery(f"{name}/{q.query_id}", q.text) for q in load_queries(directory, name)
+                if judged is None or q.query_id in judged]
+    random.Random(seed).shuffle(out)
+    return out[:limit] if limit is not None else out

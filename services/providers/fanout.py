@@ -65,7 +65,7 @@ def _ms_since(t0: float) -> float:
 async def fan_out_trace(providers: list[Provider], query: str, *, trace_id: str, deadline_s: float,
                         contested_threshold: float, query_id: str | None = None) -> Trace:
     """One fan-out as a Trace (candidates + signals): what the gateway publishes."""
-    from services.gateway.signals import compute_signals
+    from services.providers.signals import compute_signals
 
     received = datetime.now(UTC)
     candidates = await fan_out(providers, query, deadline_s=deadline_s)

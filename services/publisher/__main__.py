@@ -19,14 +19,14 @@ async def run(settings: PublisherSettings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Serve (a bad setting is a clear message and exit 2), or run ``export``."""
-    from services.publisher import export
+    from services.publisher import cli
 
     parser = argparse.ArgumentParser(prog="python -m services.publisher", description=__doc__)
-    export.add_parser(parser.add_subparsers(dest="cmd"))
+    cli.add_export(parser.add_subparsers(dest="cmd"))
     args = parser.parse_args(argv)
     if args.cmd == "export":
         setup_logging("WARNING")
-        return export.run(args)
+        return cli.run(args)
     return service_main("publisher", PublisherSettings, run)
 
 

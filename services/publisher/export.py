@@ -1,21 +1,17 @@
 """Export an adapter version: the PEFT directory as is, or merged into its base as a full checkpoint.
 
-``python -m services.publisher export peft MODEL_ID VERSION OUT [--url URL]`` and
-``python -m services.publisher export merged BASE_MODEL ADAPTER_DIR OUT``. torch is imported only
-by the merged export.
+The commands are in :mod:`services.publisher.cli`. torch is imported only by the merged export.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 from services.common.adapter_files import CHUNK, materialize
-from services.publisher.store import BlobStore, Manifest, ManifestStore
+from services.publisher.store import BlobStore, Manifest
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -79,47 +75,3 @@ def _tokenizer(adapter_dir: Path, base_source: Path, load_kw: dict[str, str]):
         if kw or any((source / n).is_file() for n in TOKENIZER_FILES):
             return AutoTokenizer.from_pretrained(source, **kw)
     return None
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """``export peft ...`` / ``export merged ...`` (also wired as ``fanroute adapters export``)."""
-    e = sub.add_parser("export", help="export an adapter version (PEFT directory or merged checkpoint)")
-    kinds = e.add_subparsers(dest="kind", required=True)
-    p = kinds.add_parser("peft", help="the version's PEFT directory, as published")
-    p.add_argument("model_id")
-    p.add_argument("version", type=int)
-    p.add_argument("out", type=Path, help="new directory to write")
-    p.add_argument("--url", default=None,
-                   help="a running publisher's base URL (default: read FANROUTE_STORAGE_DIR directly)")
-    m = kinds.add_parser("merged", help="merge a PEFT directory into its base model (full checkpoint)")
-    m.add_argument("base_model", type=Path, help="base model directory or .gguf file")
-    m.add_argument("adapter_dir", type=Path, help="PEFT adapter directory (e.g. from `export peft`)")
-    m.add_argument("out", type=Path, help="new directory to write")
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run a parsed ``export`` command; a refused export is a message and exit 2."""
-    from services.common.errors import FanrouteError
-
-    try:
-        if args.kind == "merged":
-            out = export_merged(args.base_model, args.adapter_dir, args.out, dtype=args.dtype)
-        elif args.url:
-            from services.common.publisher_client import PublisherClient
-
-            with PublisherClient(args.url) as client:
-                out = client.fetch_version(args.model_id, args.version, args.out)
-        else:
-            from services.publisher.settings import PublisherSettings
-
-            root = PublisherSettings().storage_dir
-            out = export_peft(ManifestStore(root).get(args.model_id, args.version), BlobStore(root), args.out)
-    except (FanrouteError, OSError) as exc:
-        print(f"fanroute export: {exc}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0

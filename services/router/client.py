@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from services.common.errors import FanrouteError
-from services.episodes.build import system_prompt
+from services.common.prompt import router_messages
 from services.router.parse import ParsedOrdering, UnparseableOrdering, parse_ordering
 
 
@@ -61,8 +61,7 @@ class RouterAnswer:
 def chat_request(model: str, providers: Sequence[str], query: str, max_tokens: int) -> dict[str, Any]:
     """The chat-completions body: the training conversation's system and user turns, greedy."""
     return {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
-            "messages": [{"role": "system", "content": system_prompt(providers)},
-                         {"role": "user", "content": query}]}
+            "messages": router_messages(providers, query)}
 
 
 class RouterClient:

@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from schemas.trace import Trace
 from services.common.settings import KafkaSettings
-from services.providers.collections import default_collections_dir
-from services.tools.replay import replay, sample_queries
+from services.providers.collections import default_collections_dir, sample_queries
+from services.tools.replay import replay
 from services.tools.report import render, score_traces, write_report
 from services.tools.serving import free_port, served
 from services.tools.traces import format_trace, read_traces
@@ -135,14 +135,14 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
     from services.common.bus import ensure_topics
     from services.common.replay_topic import read_messages
     from services.common.settings import RedisSettings
-    from services.episodes.__main__ import run as run_builder
     from services.episodes.settings import EpisodeSettings
-    from services.judge.__main__ import guard, run
+    from services.episodes.worker import run as run_builder
     from services.judge.calibrate import against_qrels
     from services.judge.calibration.metrics import render_report
+    from services.judge.guard import guard
     from services.judge.sampling import sample_reason
     from services.judge.settings import JudgeSettings, build_backend
-    from services.judge.worker import verdict_id
+    from services.judge.worker import run, verdict_id
 
     out_dir = opts.out_dir
     settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis_url), providers=providers,
@@ -222,9 +222,9 @@ async def _calibration_gate(kafka: KafkaSettings, backend, traces: list[Trace], 
 async def _episodes(kafka: KafkaSettings, trace_ids: set[str], n: int, out_dir: Path):
     """Wait for this run's ``n`` episodes and their tasks; write the dataset, ATIF files and tasks."""
     from schemas import Episode, Task, topic
+    from services.common.dataset import write_jsonl
     from services.common.replay_topic import read_messages
     from services.episodes.atif import write_atif
-    from services.episodes.dataset import write_jsonl
     from services.episodes.tasks import write_task
 
     episodes: dict[str, Episode] = {}

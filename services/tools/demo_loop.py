@@ -18,8 +18,8 @@ import numpy as np
 
 from schemas.episode import Episode
 from schemas.trace import Trace
+from services.common.dataset import write_jsonl
 from services.common.settings import KafkaSettings, RedisSettings
-from services.episodes.dataset import write_jsonl
 from services.router.policy import in_hashed_share
 from services.tools.serving import free_port, served
 
@@ -168,7 +168,8 @@ async def _routed_traffic(kafka, redis, gateway_settings, sampler_url: str, repo
     """Held-out queries through a routed gateway; what came back, read from the traces topic."""
     from services.gateway.app import create_app
     from services.gateway.settings import RoutingSettings
-    from services.tools.replay import ReplayQuery, replay
+    from services.providers.collections import ReplayQuery
+    from services.tools.replay import replay
     from services.tools.traces import read_traces
 
     port = free_port()

@@ -154,7 +154,7 @@ async def measure(name: str, *, limit: int | None, with_judge: bool) -> tuple[li
     traces = await cal.offline_traces(providers, n=limit, seed=0, contested_threshold=0.1)
     tiers, judge_note = None, None
     if with_judge:
-        from services.judge.__main__ import guard
+        from services.judge.guard import guard
         from services.judge.settings_local import LocalJudgeConfig
 
         settings = JudgeSettings(market=name)
@@ -172,16 +172,6 @@ async def measure(name: str, *, limit: int | None, with_judge: bool) -> tuple[li
             await backend.close()
         judge_note = f"judge {backend.identity.model}" + (f" — {judge_note}" if judge_note else "")
     return query_rows(traces, tiers), judge_note
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register ``fanroute market``."""
-    p = sub.add_parser("market", help="each market's providers, best single, per-domain best, oracle and "
-                                      "judge-oracle on the dev queries (nDCG@10 vs qrels, cost per query)")
-    p.add_argument("--market", choices=(*MARKETS, "all"), default="all")
-    p.add_argument("--queries", type=int, default=None, help="first N dev queries (default: all 677)")
-    p.add_argument("--no-judge", action="store_true", help="skip the judge-oracle row (faster)")
-    p.add_argument("--out", type=Path, default=Path("out/market"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,9 +222,3 @@ def plot(report: Mapping[str, Mapping], out_dir: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fanroute")
-    add_parser(parser.add_subparsers(dest="cmd", required=True))
-    return run(parser.parse_args(["market", *(argv if argv is not None else sys.argv[1:])]))

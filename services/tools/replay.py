@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,21 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from services.common.errors import ConfigError
-from services.providers.collections import (
-    check_names,
-    default_collections_dir,
-    load_qrels,
-    load_queries,
-)
-from services.providers.config import ALL_COLLECTIONS
-
-
-@dataclass(frozen=True)
-class ReplayQuery:
-    """One query to send, with the id that ties its trace back to the collection's qrels."""
-
-    query_id: str
-    text: str
+from services.providers.collections import ReplayQuery
 
 
 @dataclass
@@ -64,19 +49,6 @@ class ReplaySummary:
                 f"({self.requests / self.seconds if self.seconds else 0:.1f} req/s)\n"
                 f"traces unpublished={self.traces_unpublished} contested={self.contested} "
                 f"provider errors={self.provider_errors}")
-
-
-def sample_queries(collections: tuple[str, ...] = ALL_COLLECTIONS, *, limit: int | None = None,
-                   seed: int = 0, judged_only: bool = True, directory: Path | None = None) -> list[ReplayQuery]:
-    """Queries from the collections (ids ``<collection>/<query_id>``), shuffled by ``seed``."""
-    directory = directory or default_collections_dir()
-    out = []
-    for name in check_names(collections):
-        judged = load_qrels(directory, name) if judged_only else None
-        out += [ReplayQuery(f"{name}/{q.query_id}", q.text) for q in load_queries(directory, name)
-                if judged is None or q.query_id in judged]
-    random.Random(seed).shuffle(out)
-    return out[:limit] if limit is not None else out
 
 
 async def replay(url: str, queries: list[ReplayQuery], *, rate: float, concurrency: int,

@@ -1,7 +1,7 @@
 """Episodes → supervised examples: load, pick by reward window, check the gate, split, tokenize, batch.
 
 The judge key of an episode is read from its reward names, ``ndcg:<judge_model>:<rubric_hash8>``
-(services/episodes/build.py); its provider set from the system turn. Training on a judge whose
+(services/common/prompt.py); its provider set from the system turn. Training on a judge whose
 (judge, rubric, provider set) has no open calibration gate is refused unless the run is told
 ``allow_uncalibrated``, which the run then records.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import random
-import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,45 +18,25 @@ from pathlib import Path
 from typing import Any, Literal
 
 from schemas.base import decode
-from schemas.calibration import CalibrationRecord, gate_key
+from schemas.calibration import CalibrationRecord
 from schemas.episode import Episode, RewardComponent
+from services.common.dataset import merge
 from services.common.errors import ConfigError, SchemaError
+from services.common.prompt import (
+    REWARD_PREFIX,
+    JudgeKey,
+    chat_messages,
+    judge_key_of,
+    providers_of,
+    query_of,
+)
 from services.common.settings import KafkaSettings
-from services.episodes.dataset import merge
 
-REWARD_PREFIX = "ndcg:"
 IGNORE = -100
-_PROVIDERS = re.compile(r"The providers are: ([^\n]*)\.(?:\n|$)")
 
 
 class UncalibratedError(ConfigError):
     """Episodes come from a judge key whose calibration gate is not open."""
-
-
-@dataclass(frozen=True, order=True)
-class JudgeKey:
-    """The judge half of a gate key, as far as an episode names it (model, rubric hash prefix)."""
-
-    judge_model: str
-    rubric_prefix: str
-
-    def __str__(self) -> str:
-        return f"{REWARD_PREFIX}{self.judge_model}:{self.rubric_prefix}"
-
-
-def judge_key_of(reward_name: str) -> JudgeKey | None:
-    """``ndcg:<model>:<hash8>`` → JudgeKey (the model may itself contain colons); else None."""
-    if not reward_name.startswith(REWARD_PREFIX):
-        return None
-    model, sep, prefix = reward_name[len(REWARD_PREFIX):].rpartition(":")
-    return JudgeKey(model, prefix) if sep and model and prefix else None
-
-
-def providers_of(ep: Episode) -> tuple[str, ...]:
-    """The provider names listed in the system turn (sorted; empty when there is none)."""
-    system = next((m.content for m in ep.messages if m.role == "system"), "")
-    found = _PROVIDERS.search(system)
-    return tuple(sorted({n.strip() for n in found.group(1).split(",") if n.strip()})) if found else ()
 
 
 def reward_of(ep: Episode, name: str | None) -> RewardComponent | None:
@@ -104,7 +83,7 @@ def load_episodes_file(path: Path) -> list[Episode]:
 
 async def load_episodes_topic(kafka: KafkaSettings, as_of: datetime) -> list[Episode]:
     """The dataset as of ``as_of`` from the episodes topic."""
-    from services.episodes.dataset import dataset_as_of
+    from services.common.dataset import dataset_as_of
 
     return await dataset_as_of(kafka, as_of)
 
@@ -208,37 +187,16 @@ def check_gates(episodes: Sequence[Episode], reward_name: str | None, lookup: Ga
 
 
 async def kafka_gate_lookup(kafka: KafkaSettings, wanted: Iterable[tuple[JudgeKey, tuple[str, ...]]]) -> GateLookup:
-    """A lookup over the calibrations topic: the full gate keys matching each wanted (judge model,
-    rubric prefix, providers) are asked of :func:`latest_gate`; the newest record wins."""
-    from schemas.topics import topic
-    from services.common.replay_topic import read_to_end
-    from services.judge.calibrate import latest_gate
+    """A lookup over the calibrations topic, read once: for each wanted (judge model, rubric prefix,
+    providers) the newest matching gate (:meth:`services.common.gates.Gates.for_judge`)."""
+    from services.common.gates import read_gates
 
-    seen: set[tuple[str, str, str]] = set()
-    async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{topic('calibrations').name}"):
-        try:
-            rec = decode(CalibrationRecord, raw)
-        except SchemaError:
-            continue
-        seen.add((rec.judge_kind, rec.judge_model, rec.rubric_hash))
-    found: dict[tuple[JudgeKey, tuple[str, ...]], CalibrationRecord | None] = {}
-    for key, providers in wanted:
-        gates = []
-        for kind, model, rubric in sorted(seen):
-            if model == key.judge_model and rubric.startswith(key.rubric_prefix):
-                gate = await latest_gate(kafka, gate_key(kind, model, rubric, providers))
-                if gate is not None:
-                    gates.append(gate)
-        found[(key, providers)] = max(gates, key=lambda g: g.created_at, default=None)
+    gates = await read_gates(kafka)
+    found = {(key, tuple(providers)): gates.for_judge(key, providers) for key, providers in wanted}
     return lambda key, providers: found.get((key, tuple(providers)))
 
 
 # ----------------------------------------------------------------------------- split
-
-
-def query_of(ep: Episode) -> str:
-    """The user turn (the query) of an episode."""
-    return next((m.content for m in ep.messages if m.role == "user"), "")
 
 
 def query_fraction(ep: Episode) -> float:
@@ -256,13 +214,6 @@ def split_by_query(episodes: Sequence[Episode], eval_fraction: float) -> tuple[l
 
 
 # ----------------------------------------------------------------------------- tokenization
-
-
-def chat_messages(ep: Episode) -> list[dict[str, str]]:
-    """The conversation up to and including its last assistant turn, as chat-template dicts."""
-    msgs = [{"role": m.role, "content": m.content} for m in ep.messages]
-    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-    return msgs[:last + 1]
 
 
 def token_ids(encoded: Any) -> list[int]:

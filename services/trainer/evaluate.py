@@ -19,8 +19,9 @@ from schemas.episode import Episode
 from schemas.verdict import Verdict
 from services.common.errors import SchemaError
 from services.common.ndcg import parse_ordering, tie_aware_ndcg
+from services.common.prompt import JudgeKey, chat_messages, providers_of
 from services.common.settings import KafkaSettings
-from services.trainer.data import JudgeKey, chat_messages, prompt_ids, providers_of
+from services.trainer.data import prompt_ids
 
 GradesFor = Callable[[str], Mapping[str, float] | None]
 

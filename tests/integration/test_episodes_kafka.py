@@ -19,19 +19,19 @@ import pytest
 
 from schemas import Episode, Task, topic
 from services.common.bus import Bus
+from services.common.dataset import dataset_as_of, write_jsonl
 from services.common.replay_topic import read_to_end
 from services.common.settings import KafkaSettings, RedisSettings
-from services.episodes.__main__ import run as run_builder
 from services.episodes.atif import write_atif
-from services.episodes.dataset import dataset_as_of, write_jsonl
 from services.episodes.settings import EpisodeSettings
 from services.episodes.tasks import write_task
 from services.episodes.verifier import run_verifier
+from services.episodes.worker import run as run_builder
 from services.gateway.app import build_gateway, create_app
 from services.gateway.settings import GatewaySettings
-from services.judge.__main__ import run as run_judge
 from services.judge.settings import JudgeSettings
 from services.judge.settings_local import LocalJudgeConfig
+from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
 from tests.episode_fakes import verdict_for
 from tests.judge_fakes import judged_trace

@@ -22,11 +22,11 @@ from services.common.replay_topic import read_to_end
 from services.common.settings import KafkaSettings, RedisSettings
 from services.gateway.app import build_gateway, create_app
 from services.gateway.settings import GatewaySettings
-from services.judge.__main__ import run as run_judge
 from services.judge.settings import JudgeSettings, build_backend
 from services.judge.settings_backends import OpenAIJudgeConfig
 from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import judge_key
+from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
 from tests.integration.llm_judge_fake import AutoJudgeServer
 from tests.judge_fakes import judged_trace

@@ -22,10 +22,10 @@ import pytest
 from schemas import AdapterPublished, Trace, topic
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from services.common.bus import Bus
+from services.common.prompt import system_prompt
 from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_messages
 from services.common.settings import KafkaSettings, RedisSettings
-from services.episodes.build import system_prompt
 from services.gateway.app import Gateway, build_gateway, create_app
 from services.gateway.follow import PromotedFollower
 from services.gateway.settings import GatewaySettings

@@ -20,10 +20,11 @@ from services.providers.collections import (
     default_collections_dir,
     load_qrels,
     load_queries,
+    sample_queries,
 )
 from services.providers.config import BM25Config
 from services.providers.markets import load_providers_file
-from services.tools.replay import replay, sample_queries
+from services.tools.replay import replay
 from tests.fakes import StaticProvider
 
 ROOT = Path(__file__).resolve().parents[2]

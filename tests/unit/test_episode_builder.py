@@ -8,8 +8,9 @@ from schemas import Episode, Task, topic
 from services.common.bus import Bus
 from services.common.idempotency import MemoryKeyStore
 from services.common.ndcg import parse_ordering
+from services.common.prompt import system_prompt
 from services.common.settings import KafkaSettings
-from services.episodes.build import episode_id, system_prompt
+from services.episodes.build import episode_id
 from services.episodes.state import MemoryJoinStore
 from services.episodes.worker import EpisodeBuilder
 from tests.episode_fakes import verdict_for

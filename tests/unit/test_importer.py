@@ -13,9 +13,10 @@ import pytest
 from schemas.base import content_id
 from schemas.episode import Episode
 from services.common.errors import ConfigError
+from services.importer.cli import add_parser, run
 from services.importer.formats import FORMATS, Conversation, detect_format
 from services.importer.redact import Redactor, redact_conversation
-from services.importer.run import UNKNOWN_TIME, add_parser, import_file, run
+from services.importer.run import UNKNOWN_TIME, import_file
 from services.importer.telemetry import read_telemetry
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "import"

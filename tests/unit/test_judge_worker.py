@@ -9,10 +9,9 @@ from services.common.bus import Bus
 from services.common.errors import ConfigError
 from services.common.idempotency import MemoryKeyStore
 from services.common.settings import KafkaSettings
-from services.judge.__main__ import guard
 from services.judge.base import JudgeIdentity
 from services.judge.blind import blind, shuffle_seed
-from services.judge.guard import check_not_a_provider
+from services.judge.guard import check_not_a_provider, guard
 from services.judge.rubric import render_user
 from services.judge.sampling import sample_reason, unit_hash
 from services.judge.settings import JudgeSettings

@@ -13,6 +13,7 @@ from services.common.splits import dev_half
 from services.gateway.settings import GatewaySettings
 from services.judge.settings import JudgeSettings
 from services.providers import index as idx
+from services.providers.collections import sample_queries
 from services.providers.config import BM25Config, DenseConfig, HybridConfig, LSAConfig
 from services.providers.local import BM25Provider, HybridProvider, LSAProvider
 from services.providers.markets import (
@@ -23,7 +24,6 @@ from services.providers.markets import (
     market,
     nested,
 )
-from services.tools.replay import sample_queries
 
 
 def test_federated_is_the_default_and_nested_is_the_old_five():
@@ -61,7 +61,7 @@ def test_dev_halves_split_the_queries_in_two_fixed_halves():
 
 
 def test_twin_guard_passes_the_default_judge_in_federated_and_refuses_it_in_nested():
-    from services.judge.__main__ import guard
+    from services.judge.guard import guard
     from services.judge.settings_local import LocalJudgeConfig
 
     guard(JudgeSettings())  # no federated provider embeds with MiniLM

@@ -58,7 +58,9 @@ def test_resolve_base_accepts_directories_and_refuses_hub_names(monkeypatch: pyt
 
 def test_cli_prepare_skips_a_present_copy(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     target = fake_prepared(tmp_path / "m")
-    assert prepare.main(["prepare", "--dir", str(target)]) == 0
+    from services.models import cli
+
+    assert cli.main(["prepare", "--dir", str(target)]) == 0
     assert capsys.readouterr().out.strip().endswith(str(target))
 
 

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from services.episodes.build import system_prompt
+from services.common.prompt import system_prompt
 from services.router.client import (
     RouterClient,
     RouterError,

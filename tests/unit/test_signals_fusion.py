@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from schemas.trace import Candidate
-from services.gateway.signals import compute_signals, jaccard
 from services.providers.fusion import rrf
+from services.providers.signals import compute_signals, jaccard
 from tests.factories import candidate
 
 

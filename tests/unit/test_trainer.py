@@ -12,19 +12,17 @@ import pytest
 
 from schemas.calibration import CalibrationRecord
 from schemas.episode import ChatMessage, Episode, RewardComponent
+from services.common.dataset import write_jsonl
 from services.common.errors import ConfigError
-from services.episodes.build import system_prompt
-from services.episodes.dataset import write_jsonl
+from services.common.prompt import judge_key_of, providers_of, system_prompt
 from services.trainer.data import (
     IGNORE,
     UncalibratedError,
     batch_order,
     build_example,
     build_examples,
-    judge_key_of,
     load_episodes_file,
     padding_stats,
-    providers_of,
     split_by_query,
 )
 from services.trainer.evaluate import score, tier_grades
@@ -203,7 +201,7 @@ def test_dry_run_prints_config_and_counts_and_trains_nothing(make_settings, caps
 
 
 def test_cli_dry_run_and_invalid_settings(make_settings, capsys) -> None:
-    from services.trainer.__main__ import add_parser, run
+    from services.trainer.cli import add_parser, run
 
     s = make_settings([episode(i) for i in range(3)])
     parser = argparse.ArgumentParser()
@@ -364,7 +362,6 @@ async def test_kafka_gate_lookup_matches_model_rubric_prefix_and_providers(monke
     from schemas.calibration import gate_key
     from services.common import replay_topic
     from services.common.settings import KafkaSettings
-    from services.judge import calibrate
     from services.trainer.data import kafka_gate_lookup
 
     full = "d8001873" + "0" * 56
@@ -376,11 +373,7 @@ async def test_kafka_gate_lookup_matches_model_rubric_prefix_and_providers(monke
         for r in records:
             yield r.to_bytes()
 
-    async def latest_gate(kafka, key):
-        return next((r for r in records if r.gate_key == key), None)
-
     monkeypatch.setattr(replay_topic, "read_to_end", read_to_end)
-    monkeypatch.setattr(calibrate, "latest_gate", latest_gate)
     key = judge_key_of(JUDGE)
     lookup = await kafka_gate_lookup(KafkaSettings(), [(key, PROVIDERS), (key, ("alpha", "beta"))])
     assert lookup(key, PROVIDERS) == records[0]

@@ -1,0 +1,93 @@
+"""The router prompt: the one renderer every service shares (episode builder, trainer, router client,
+evaluation, and the relay and rollouts to come).
+
+It builds the system and user turns from a provider set and a query, reads them back from an
+episode, and names the reward components an episode carries. The ordering line itself
+(``a > b = c``) is written and strictly parsed by :mod:`services.common.ndcg`, because the replay
+tasks' verifier ships with that one file; what a model writes is parsed tolerantly by
+:mod:`services.router.parse`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from schemas.episode import ChatMessage, Episode
+
+SYSTEM_TEMPLATE = (
+    "You route search queries to search providers. The providers are: {names}.\n"
+    "Read the user's query and answer with every provider, best first, in one line: names "
+    "separated by ' > ', equally good providers joined by ' = ' (for example: {example}). "
+    "Answer with that line only."
+)
+_NAMES = re.compile(r"The providers are: ([^\n]*)\.(?:\n|$)")
+
+#: Reward components graded against a judge are named ``ndcg:<judge_model>:<rubric_hash8>``.
+REWARD_PREFIX = "ndcg:"
+
+
+def system_prompt(providers: Iterable[str]) -> str:
+    """The system turn: the provider names to choose from, nothing about their answers."""
+    names = sorted(set(providers))
+    example = " > ".join(names[:2]) + (f" = {names[2]}" if len(names) > 2 else "")
+    return SYSTEM_TEMPLATE.format(names=", ".join(names), example=example)
+
+
+def providers_in(system: str) -> tuple[str, ...]:
+    """The provider names a system turn lists (sorted; empty when it lists none): the inverse of
+    :func:`system_prompt`."""
+    found = _NAMES.search(system)
+    return tuple(sorted({n.strip() for n in found.group(1).split(",") if n.strip()})) if found else ()
+
+
+def router_turns(providers: Iterable[str], query: str) -> tuple[ChatMessage, ChatMessage]:
+    """The system and user turns the router sees: what it is trained on and asked at serving time."""
+    return (ChatMessage(role="system", content=system_prompt(providers)), ChatMessage(role="user", content=query))
+
+
+def router_messages(providers: Iterable[str], query: str) -> list[dict[str, str]]:
+    """:func:`router_turns` as chat-completions ``messages``."""
+    return [{"role": m.role, "content": m.content} for m in router_turns(providers, query)]
+
+
+def query_of(ep: Episode) -> str:
+    """The user turn (the query) of an episode."""
+    return next((m.content for m in ep.messages if m.role == "user"), "")
+
+
+def providers_of(ep: Episode) -> tuple[str, ...]:
+    """The provider names listed in an episode's system turn (sorted; empty when there is none)."""
+    return providers_in(next((m.content for m in ep.messages if m.role == "system"), ""))
+
+
+def chat_messages(ep: Episode) -> list[dict[str, str]]:
+    """The conversation up to and including its last assistant turn, as chat-template dicts."""
+    msgs = [{"role": m.role, "content": m.content} for m in ep.messages]
+    last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+    return msgs[:last + 1]
+
+
+@dataclass(frozen=True, order=True)
+class JudgeKey:
+    """The judge half of a gate key, as far as an episode names it (model, rubric hash prefix)."""
+
+    judge_model: str
+    rubric_prefix: str
+
+    def __str__(self) -> str:
+        return f"{REWARD_PREFIX}{self.judge_model}:{self.rubric_prefix}"
+
+
+def reward_name(judge_model: str, rubric_hash: str) -> str:
+    """The name of the nDCG reward component graded against one judge and rubric."""
+    return str(JudgeKey(judge_model, rubric_hash[:8]))
+
+
+def judge_key_of(name: str) -> JudgeKey | None:
+    """``ndcg:<model>:<hash8>`` → JudgeKey (the model may itself contain colons); else None."""
+    if not name.startswith(REWARD_PREFIX):
+        return None
+    model, sep, prefix = name[len(REWARD_PREFIX):].rpartition(":")
+    return JudgeKey(model, prefix) if sep and model and prefix else None

@@ -1,0 +1,111 @@
+"""``fanroute demo``, ``replay``, ``traces``, ``stack`` and ``market``: the commands that compose services."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register the composing commands on the top-level subparsers."""
+    d = sub.add_parser("demo", help="the whole loop on the embedded default: fan out, judge, distill, "
+                                    "evaluate, promote if better, route")
+    d.add_argument("--queries", type=int, default=None,
+                   help="how many development queries to replay (default: all 677 judged ones)")
+    d.add_argument("--rate", type=float, default=8.0, help="fan-out requests per second")
+    d.add_argument("--concurrency", type=int, default=8, help="fan-out requests in flight at most")
+    d.add_argument("--seed", type=int, default=0, help="query sampling seed")
+    d.add_argument("--held-out", type=float, default=0.3,
+                   help="share of queries (by hash of the query id) the student never trains on")
+    d.add_argument("--no-loop", dest="loop", action="store_false",
+                   help="stop after the fan-out era (no training, evaluation, promotion or routing)")
+    d.add_argument("--out", type=Path, default=None, help="report directory (default out/demo)")
+    d.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running after")
+    d.set_defaults(func=_demo)
+
+    r = sub.add_parser("replay", help="send the collections' queries through a running gateway")
+    r.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
+    r.add_argument("--collections", default="all", help="comma-separated names, or 'all'")
+    r.add_argument("--limit", type=int, default=None, help="at most this many queries")
+    r.add_argument("--rate", type=float, default=5.0, help="requests per second (open loop)")
+    r.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
+    r.add_argument("--seed", type=int, default=0, help="query order seed")
+    r.add_argument("--json-out", type=Path, default=None, help="also write the summary as JSON")
+    r.set_defaults(func=_replay)
+
+    t = sub.add_parser("traces", help="print traces from the Kafka topic, one line each")
+    t.add_argument("--limit", type=int, default=None, help="stop after this many")
+    t.add_argument("--idle", type=float, default=5.0, help="stop after this many quiet seconds")
+    t.set_defaults(func=_traces)
+
+    s = sub.add_parser("stack", help="the local Kafka + Redis stack (no Docker)")
+    s.add_argument("action", choices=["up", "down", "status", "prepare"])
+    s.set_defaults(func=_stack)
+
+    from services.providers.markets import MARKETS
+
+    m = sub.add_parser("market", help="each market's providers, best single, per-domain best, oracle and "
+                                      "judge-oracle on the dev queries (nDCG@10 vs qrels, cost per query)")
+    m.add_argument("--market", choices=(*MARKETS, "all"), default="all")
+    m.add_argument("--queries", type=int, default=None, help="first N dev queries (default: all 677)")
+    m.add_argument("--no-judge", action="store_true", help="skip the judge-oracle row (faster)")
+    m.add_argument("--out", type=Path, default=Path("out/market"))
+    m.set_defaults(func=_market)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the parsed command (each parser names its handler)."""
+    return args.func(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.tools.demo import DemoOptions, run_demo
+
+    if args.queries is not None and args.queries < 10 or not 0.05 <= args.held_out <= 0.9:
+        print("fanroute demo: --queries must be at least 10 and --held-out within 0.05..0.9", file=sys.stderr)
+        return 2
+    opts = DemoOptions(queries=args.queries, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
+                       keep_stack=args.keep_stack, loop=args.loop, held_out_fraction=args.held_out,
+                       **({"out_dir": args.out} if args.out else {}))
+    return asyncio.run(run_demo(opts))
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from services.common.errors import FanrouteError
+    from services.providers.collections import sample_queries
+    from services.providers.config import ALL_COLLECTIONS
+    from services.tools.replay import replay, write_summary
+
+    names = ALL_COLLECTIONS if args.collections == "all" else tuple(args.collections.split(","))
+    try:
+        queries = sample_queries(names, limit=args.limit, seed=args.seed)
+        summary = asyncio.run(replay(args.url, queries, rate=args.rate, concurrency=args.concurrency))
+    except FanrouteError as exc:
+        print(f"fanroute replay: {exc}", file=sys.stderr)
+        return 2
+    print(summary.render())
+    if args.json_out:
+        write_summary(summary, args.json_out)
+    return 0 if not summary.errors else 1
+
+
+def _traces(args: argparse.Namespace) -> int:
+    from services.common.settings import ServiceSettings
+    from services.tools.traces import run_tail
+
+    run_tail(ServiceSettings().kafka, args.limit, args.idle)
+    return 0
+
+
+def _stack(args: argparse.Namespace) -> int:
+    import devstack
+
+    return devstack.main([args.action])
+
+
+def _market(args: argparse.Namespace) -> int:
+    from services.tools.market import run
+
+    return run(args)
