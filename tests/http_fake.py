@@ -1,5 +1,6 @@
 """Real HTTP servers on loopback for tests: a uvicorn thread, one that answers from a script, and a
-uvicorn task in the test's own event loop (for services that share the loop with the test).
+uvicorn task in the test's own event loop (for services that share the loop with the test); the
+pytest fixtures of a scripted server, and :func:`started` for the clients under test.
 
 The listening socket is bound before uvicorn starts, so connections simply queue until uvicorn
 accepts them (after the app's lifespan start-up): no start-up wait, no sleep.
@@ -8,13 +9,16 @@ accepts them (after the app's lifespan start-up): no start-up wait, no sleep.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
+import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -154,6 +158,47 @@ class ScriptedServer(LoopbackServer):
             await asyncio.sleep(reply.delay_s)
         return Response(reply.encode(), status_code=reply.status, headers=reply.headers,
                         media_type=reply.content_type)
+
+
+S = TypeVar("S", bound=ScriptedServer)
+
+
+def scripted_fixtures(make: Callable[[], S]) -> tuple[Any, Any]:
+    """The pytest fixtures ``server`` (one ``make()`` server, started once per module) and ``fake``
+    (that server, reset for each test); assign them in the test module: ``server, fake = ...``."""
+
+    @pytest.fixture(scope="module", name="server")
+    def server() -> Iterator[S]:
+        fake = make()
+        fake.start()
+        yield fake
+        fake.stop()
+
+    @pytest.fixture(name="fake")
+    def fake(server: S) -> S:
+        server.reset()
+        return server
+
+    return server, fake
+
+
+class Startable(Protocol):
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+C = TypeVar("C", bound=Startable)
+
+
+@contextlib.asynccontextmanager
+async def started(client: C) -> AsyncIterator[C]:
+    """``await client.start()``, then ``await client.close()`` however the block ends."""
+    await client.start()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def chat_completion(content: str | None, model: str = "router@1") -> Reply:

@@ -7,12 +7,11 @@ own path prefixes, answers with replies scripted per test, and records every req
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from services.judge.backends.openai import OpenAIJudge, seed_for
 from services.judge.base import BlindCandidate, JudgeFailed, JudgeRequest, Source
 from services.judge.rubric import SYSTEM, render_user
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
-from tests.http_fake import Reply, ScriptedServer
+from tests.http_fake import Reply, ScriptedServer, scripted_fixtures, started
 
 KEY = "sk-judge-S3CRET+key/=="
 GOOD = '{"grades": {"A": 3, "B": 1, "C": 0}, "ranking": [["A"], ["B"], ["C"]]}'
@@ -139,27 +138,7 @@ BOTH = sorted(APIS)
 # ---- fixtures and helpers ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeLlmApis]:
-    fake = FakeLlmApis()
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def fake(server: FakeLlmApis) -> FakeLlmApis:
-    server.reset()
-    return server
-
-
-@contextlib.asynccontextmanager
-async def started(judge: _HttpJudge) -> AsyncIterator[_HttpJudge]:
-    await judge.start()
-    try:
-        yield judge
-    finally:
-        await judge.close()
+server, fake = scripted_fixtures(FakeLlmApis)
 
 
 async def run(api: Api, fake: FakeLlmApis, *replies: Reply, **overrides: Any):

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import email.utils
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
-from datetime import datetime, timedelta, timezone
 
 import pytest
 
@@ -22,8 +18,8 @@ from services.common.errors import (
     ProviderRateLimited,
     ProviderTimeout,
 )
-from services.providers import web
 from services.providers.base import ProviderAnswer, build_answer
+from tests.http_fake import scripted_fixtures, started
 from tests.unit.web_api_fakes import (
     APIS,
     ELASTIC,
@@ -45,27 +41,7 @@ from tests.unit.web_api_fakes import (
 ALL = sorted(APIS)
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[FakeApis]:
-    fake = FakeApis()
-    fake.start()
-    yield fake
-    fake.stop()
-
-
-@pytest.fixture
-def fake(server: FakeApis) -> FakeApis:
-    server.reset()
-    return server
-
-
-@contextlib.asynccontextmanager
-async def started(provider: web._HttpProvider) -> AsyncIterator[web._HttpProvider]:
-    await provider.start()
-    try:
-        yield provider
-    finally:
-        await provider.close()
+server, fake = scripted_fixtures(FakeApis)
 
 
 async def ask(api: Api, fake: FakeApis, *replies: Reply, **overrides: object) -> ProviderAnswer:
@@ -263,15 +239,6 @@ async def test_429_is_retried_after_retry_after(fake: FakeApis, name: str) -> No
     assert time.perf_counter() - t0 >= 0.2
     assert len(fake.received) == 2 and answer.raw_meta["attempts"] == 2
     assert answer.citations[0].url == WIKI
-
-
-def test_retry_after_header_forms() -> None:
-    soon = email.utils.format_datetime(datetime.now(timezone.utc) + timedelta(seconds=30), usegmt=True)
-
-    assert web._retry_after_s("2") == 2.0
-    assert 28.0 < web._retry_after_s(soon) <= 30.0  # type: ignore[operator]
-    assert web._retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0  # already past
-    assert web._retry_after_s("soon") is None and web._retry_after_s(None) is None
 
 
 async def test_retry_after_beyond_the_budget_fails_at_once(fake: FakeApis) -> None:

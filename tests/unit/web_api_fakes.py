@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from services.providers import config as c
-from services.providers import web
+from services.providers import web, web_base
 from tests.http_fake import Reply, ScriptedServer
 
 __all__ = ["FakeApis", "Reply"]
@@ -186,14 +186,14 @@ class Api:
 
     name: str
     path: str
-    provider: Callable[..., web._HttpProvider]
+    provider: Callable[..., web_base.HttpProvider]
     config: Callable[..., c.SearxngConfig | c.BraveConfig | c.TavilyConfig | c.ExaConfig
                      | c.SerpApiConfig]
     ok: Callable[[], dict[str, Any]]
     error: Callable[[int, str], Reply]
     wrong_shape: dict[str, Any]
 
-    def make(self, fake: FakeApis, **overrides: Any) -> web._HttpProvider:
+    def make(self, fake: FakeApis, **overrides: Any) -> web_base.HttpProvider:
         """A provider of this API pointed at the fake server."""
         settings: dict[str, Any] = {"name": f"{self.name}-test", "base_url": fake.base_url(self.name),
                                     "api_key": key_for(self.name), "timeout_s": 3.0, "k": 5,
