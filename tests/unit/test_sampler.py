@@ -14,9 +14,10 @@ import pytest
 from schemas.adapter import AdapterPublished
 from schemas.topics import topic
 from services.common.settings import KafkaSettings
-from services.sampler.app import Sampler, create_app
+from services.sampler.app import create_app
 from services.sampler.engine import Engine
 from services.sampler.registry import AdapterUnavailable
+from services.sampler.serving import Sampler
 from services.sampler.settings import SamplerSettings
 from tests.tiny_lm import build_lora_adapter, build_tiny_lm
 

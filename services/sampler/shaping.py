@@ -1,0 +1,169 @@
+"""From a request to the engine and back: sampling parameters, prompts, and vLLM's response bodies.
+
+``create_completion`` and ``create_chat_completion`` turn a validated request into generations
+and shape them as vLLM's ``CompletionResponse`` and ``ChatCompletionResponse`` (logprobs,
+token ids, usage); ``model_cards`` is vLLM's ``ModelList``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from services.sampler.engine import Engine, Generation, PromptError, SamplingParams
+from services.sampler.serving import Sampler
+from services.sampler.settings import SamplerSettings
+from services.sampler.wire import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    bad_request,
+)
+
+LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this so the JSON stays valid
+
+
+def sampling_params(req: SamplingFields, settings: SamplerSettings, max_tokens: int,
+                    logprobs: int | None) -> SamplingParams:
+    """vLLM's defaults for what the request leaves out; refuses what this server does not serve."""
+    if req.stream:
+        raise bad_request("stream: streaming is not served by the CPU sampler", "stream")
+    if logprobs is not None and logprobs > settings.max_logprobs:
+        raise bad_request(f"logprobs: {logprobs} is over the limit of {settings.max_logprobs}", "logprobs")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > settings.max_stop_strings or any(not s for s in stop):
+        raise bad_request(f"stop: at most {settings.max_stop_strings} non-empty strings", "stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=req.top_k or 0, seed=req.seed, stop=tuple(stop),
+        stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+        logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+
+
+def _token_name(engine: Engine, token_id: int, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else engine.token_text(token_id)
+
+
+def completion_logprobs(engine: Engine, gen: Generation, as_ids: bool) -> dict[str, Any]:
+    """vLLM's ``CompletionLogProbs``: tokens, token_logprobs, top_logprobs (sampled + top-k), text_offset."""
+    tokens = [_token_name(engine, t, as_ids) for t in gen.token_ids]
+    offsets, at = [], 0
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
+    return {"text_offset": offsets,
+            "token_logprobs": [max(lp, LOGPROB_FLOOR) for lp in gen.logprobs],
+            "tokens": tokens,
+            "top_logprobs": [{_token_name(engine, i, as_ids): max(lp, LOGPROB_FLOOR) for i, lp in step}
+                             for step in gen.top_logprobs]}
+
+
+def chat_logprobs(engine: Engine, gen: Generation, k: int, as_ids: bool) -> dict[str, Any]:
+    """vLLM's ``ChatCompletionLogProbs``: one entry per sampled token with ``k`` alternatives."""
+
+    def entry(token_id: int, lp: float) -> dict[str, Any]:
+        name = _token_name(engine, token_id, as_ids)
+        return {"token": name, "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(name.encode("utf-8", "replace"))}
+
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in step[:k]]}
+                        for t, lp, step in zip(gen.token_ids, gen.logprobs, gen.top_logprobs)]}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _prompts(req: CompletionRequest, engine: Engine, max_prompts: int) -> list[list[int]]:
+    """The request's prompts as token-id lists (text is tokenized like vLLM does)."""
+    p = req.prompt
+    if isinstance(p, str):
+        batch: list[str | list[int]] = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        batch = [p]  # type: ignore[list-item]
+    else:
+        batch = list(p)  # type: ignore[arg-type]
+    if not batch:
+        raise bad_request("prompt: must not be empty", "prompt")
+    if len(batch) > max_prompts:
+        raise bad_request(f"prompt: {len(batch)} prompts; at most {max_prompts} per request", "prompt")
+    out = []
+    for item in batch:
+        if isinstance(item, str) and not item:
+            raise bad_request("prompt: must not be empty", "prompt")
+        out.append(engine.encode(item) if isinstance(item, str) else list(item))
+    return out
+
+
+async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any]:
+    """``/v1/completions`` → vLLM's ``CompletionResponse`` (one choice per prompt)."""
+    if req.echo:
+        raise bad_request("echo: echoing the prompt is not served by the CPU sampler", "echo")
+    entry = await s.resolve(req.model)
+    prompts = _prompts(req, s.eng, s.settings.max_prompts)
+    max_tokens = req.max_tokens if req.max_tokens is not None else s.settings.default_max_tokens
+    plans = [(ids, s.check_prompt(ids, max_tokens, "prompt")) for ids in prompts]
+    choices, n_prompt, n_completion = [], 0, 0
+    for index, (ids, mt) in enumerate(plans):
+        gen = await s.generate(entry, ids, sampling_params(req, s.settings, mt, req.logprobs))
+        choices.append({
+            "index": index, "text": gen.text,
+            "logprobs": completion_logprobs(s.eng, gen, bool(req.return_tokens_as_token_ids))
+            if req.logprobs is not None else None,
+            "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason,
+            "token_ids": gen.token_ids if req.return_token_ids else None,
+            "prompt_logprobs": None,
+            "prompt_token_ids": gen.prompt_token_ids if req.return_token_ids else None})
+        n_prompt, n_completion = n_prompt + len(ids), n_completion + len(gen.token_ids)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": req.model or s.model_name, "choices": choices, "usage": _usage(n_prompt, n_completion)}
+
+
+async def create_chat_completion(s: Sampler, req: ChatCompletionRequest) -> dict[str, Any]:
+    """``/v1/chat/completions`` → vLLM's ``ChatCompletionResponse``."""
+    entry = await s.resolve(req.model)
+    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    try:
+        ids = s.eng.chat_prompt(messages)
+    except PromptError as exc:
+        raise bad_request(str(exc), "messages") from exc
+    except Exception as exc:  # a template may raise on roles or orders it does not support
+        raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from exc
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = s.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
+    gen = await s.generate(entry, ids, sampling_params(req, s.settings, max_tokens, k))
+    choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
+              "logprobs": chat_logprobs(s.eng, gen, k, bool(req.return_tokens_as_token_ids)) if k is not None
+              else None,
+              "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason,
+              "token_ids": gen.token_ids if req.return_token_ids else None}
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": req.model or s.model_name, "choices": [choice],
+            "usage": _usage(len(ids), len(gen.token_ids)),
+            "prompt_logprobs": None, "prompt_token_ids": ids if req.return_token_ids else None}
+
+
+def model_cards(s: Sampler) -> dict[str, Any]:
+    """vLLM's ``ModelList``: the base, then every adapter (``parent`` = the base), then the aliases."""
+    now = int(time.time())
+
+    def card(model_id: str, root: str, parent: str | None, max_len: int | None) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": now, "owned_by": "fanroute", "root": root,
+                "parent": parent, "max_model_len": max_len,
+                "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission",
+                                "created": now, "allow_create_engine": False, "allow_sampling": True,
+                                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                                "allow_fine_tuning": False, "organization": "*", "group": None,
+                                "is_blocking": False}]}
+
+    data = [card(s.model_name, s.settings.base_model, None, s.eng.max_model_len)]
+    data += [card(e.name, str(e.path), s.model_name, None) for e in s.registry.entries()]
+    for alias, target in s.registry.aliases().items():
+        if s.registry.get(alias) is None and (e := s.registry.get(target)) is not None:
+            data.append(card(alias, str(e.path), s.model_name, None))
+    return {"object": "list", "data": data}
