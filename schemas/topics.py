@@ -1,8 +1,16 @@
-"""The topic registry: every topic's name, message model, key field and partition count."""
+"""The topic registry: every topic's name, message model, key field, partition count, and who
+produces and who consumes it.
+
+``producers``/``consumers`` name the services and commands whose code publishes/reads the topic
+(``tests/unit/test_topic_registry.py`` checks them against the code, both ways);
+``planned_consumers`` names readers that are designed but not built yet. The AsyncAPI document
+(``fanroute asyncapi`` → ``docs/asyncapi.json``) is generated from this registry.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from schemas.adapter import AdapterPublished
 from schemas.base import Message
@@ -22,6 +30,10 @@ class TopicSpec:
     key_field: str
     partitions: int
     retention_ms: int = -1
+    description: str = ""
+    producers: tuple[str, ...] = ()
+    consumers: tuple[str, ...] = ()
+    planned_consumers: tuple[str, ...] = ()
 
     @property
     def dlq(self) -> str:
@@ -35,15 +47,55 @@ class TopicSpec:
 TOPICS: dict[str, TopicSpec] = {
     spec.name: spec
     for spec in (
-        TopicSpec("traces", Trace, "trace_id", partitions=6),
-        TopicSpec("verdicts", Verdict, "trace_id", partitions=6),
-        TopicSpec("episodes", Episode, "episode_id", partitions=6),
-        TopicSpec("tasks", Task, "task_id", partitions=3),
-        TopicSpec("adapters", AdapterPublished, "model_id", partitions=1),
-        TopicSpec("calibrations", CalibrationRecord, "gate_key", partitions=1),
-        TopicSpec("reviews", Review, "verdict_id", partitions=3),
+        TopicSpec("traces", Trace, "trace_id", partitions=6,
+                  description="One search request: every candidate provider's answer (fan-out) or the "
+                              "routed one, with timings and signals.",
+                  producers=("gateway",),
+                  consumers=("judge", "episodes", "evaluate", "calibrate CLI", "traces CLI", "demo")),
+        TopicSpec("verdicts", Verdict, "trace_id", partitions=6,
+                  description="The judge's blind grades and tiered ordering of one trace's candidates.",
+                  producers=("judge",),
+                  consumers=("episodes", "judge", "trainer", "calibrate CLI", "demo")),
+        TopicSpec("episodes", Episode, "episode_id", partitions=6,
+                  description="A training episode (router prompt, ordering, reward components).",
+                  producers=("episodes", "gateway"),
+                  consumers=("trainer", "episodes CLI", "episodes", "demo")),
+        TopicSpec("tasks", Task, "task_id", partitions=3,
+                  description="A replay task built from a judged trace (Harbor task layout).",
+                  producers=("episodes",),
+                  consumers=("episodes CLI", "demo"),
+                  planned_consumers=("rollout runner (not yet built)",)),
+        TopicSpec("adapters", AdapterPublished, "model_id", partitions=1,
+                  description="A published or promoted router adapter version.",
+                  producers=("publisher",),
+                  consumers=("gateway", "sampler")),
+        TopicSpec("calibrations", CalibrationRecord, "gate_key", partitions=1,
+                  description="A judge calibration result; the newest per gate key opens or closes training.",
+                  producers=("calibrate CLI", "demo"),
+                  consumers=("trainer", "calibrate CLI")),
+        TopicSpec("reviews", Review, "verdict_id", partitions=3,
+                  description="A person's mark on one verdict (fanroute calibrate mark).",
+                  producers=("calibrate CLI",),
+                  planned_consumers=("calibration set export (not yet built)",)),
     )
 }
+
+
+class HasNamespace(Protocol):
+    """Anything with a ``topic_namespace`` (``services.common.settings.KafkaSettings``)."""
+
+    @property
+    def topic_namespace(self) -> str: ...
+
+
+def wire_name(settings: HasNamespace, spec: TopicSpec) -> str:
+    """The topic's name on the wire: the settings' namespace prefix + the registry name."""
+    return f"{settings.topic_namespace}{spec.name}"
+
+
+def dlq_wire_name(settings: HasNamespace, spec: TopicSpec) -> str:
+    """The wire name of ``spec``'s dead-letter topic."""
+    return f"{settings.topic_namespace}{spec.dlq}"
 
 
 def topic(name: str) -> TopicSpec:

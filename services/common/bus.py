@@ -1,17 +1,27 @@
 """Typed publish and consume over Kafka (FastStream + aiokafka), with a dead-letter topic.
 
-Publishing uses acks=all and the idempotent producer. A consumed record that does not parse as
-its topic's model goes, untouched, to ``<topic>.dlq`` with the reason in its headers, and the
-consumer moves on. A handler that keeps failing after its retries is dead-lettered the same way,
-unless what failed is Kafka itself (BusError): then, like a failed dead-letter publish, the record
-is not committed and is redelivered.
-``bootstrap_servers="memory://"`` runs the same code on FastStream's in-memory broker.
-"""
+Publishing uses acks=all and the idempotent producer. A consumed record has one of three outcomes
+besides being handled:
 
+1. **schema error** (bad JSON, wrong shape, unknown ``schema_version``): sent, untouched, to
+   ``<topic>.dlq`` at once with the reason in its headers; the consumer moves on.
+2. **handler error** (anything else the handler raises): retried ``max_attempts`` times with a
+   short backoff, then dead-lettered the same way.
+3. **transient error** (:class:`~services.common.errors.TransientError`: a dependency such as the
+   publisher or Redis is briefly down; or :class:`~services.common.errors.BusError`: Kafka itself):
+   retried in place on the schedule in :class:`~services.common.settings.KafkaSettings`
+   (``transient_backoff_*``, exponential with a cap, each retry logged) until it succeeds or the
+   consumer stops; after ``transient_budget_s`` the record is left uncommitted (the error is
+   raised) and Kafka redelivers it. Never dead-lettered.
+
+A failed dead-letter publish also leaves the record uncommitted. ``bootstrap_servers="memory://"``
+runs the same code on FastStream's in-memory broker.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,8 +30,8 @@ from faststream.kafka import KafkaBroker, KafkaMessage
 
 from schemas.base import Message, decode
 from schemas.dead_letter import DeadLetter
-from schemas.topics import TOPICS, TopicSpec
-from services.common.errors import BusError, SchemaError
+from schemas.topics import TOPICS, TopicSpec, dlq_wire_name, wire_name
+from services.common.errors import BusError, SchemaError, TransientError
 from services.common.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -56,10 +66,10 @@ class Bus:
 
     def name(self, spec: TopicSpec) -> str:
         """The topic's name on the wire, with this bus's namespace prefix."""
-        return f"{self.settings.topic_namespace}{spec.name}"
+        return wire_name(self.settings, spec)
 
     def dlq_name(self, spec: TopicSpec) -> str:
-        return f"{self.settings.topic_namespace}{spec.dlq}"
+        return dlq_wire_name(self.settings, spec)
 
     async def start(self, topics: tuple[TopicSpec, ...] = ()) -> None:
         """Create ``topics`` (and their DLQs) if missing, then connect."""
@@ -113,7 +123,11 @@ class Bus:
         retry_backoff_s: float = 0.2,
         auto_offset_reset: str = "earliest",
     ) -> Any:
-        """Register ``handler`` for ``spec``'s topic: parse, retry, dead-letter, then commit."""
+        """Register ``handler`` for ``spec``'s topic: parse, retry, dead-letter, then commit.
+
+        ``max_attempts``/``retry_backoff_s`` apply to handler errors; transient errors follow the
+        settings' schedule instead (see the module docstring).
+        """
         model_cls: type[M] = model or spec.model  # type: ignore[assignment]
         bus = self
 
@@ -124,20 +138,7 @@ class Bus:
             except SchemaError as exc:
                 await bus.dead_letter(spec, record, group_id, exc)
                 return
-            for attempt in range(1, max_attempts + 1):
-                try:
-                    await handler(parsed)
-                    return
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if attempt == max_attempts and isinstance(exc, BusError):
-                        raise  # infrastructure, not this record: leave it uncommitted (redelivered)
-                    if attempt == max_attempts:
-                        log.exception("handler failed %d times on %s; dead-lettering", attempt, spec.name)
-                        await bus.dead_letter(spec, record, group_id, exc)
-                        return
-                    await asyncio.sleep(retry_backoff_s * 2 ** (attempt - 1))
+            await bus._handle(spec, handler, parsed, record, group_id, max_attempts, retry_backoff_s)
 
         _consume.__name__ = f"consume_{spec.name}_{group_id}".replace("-", "_").replace(".", "_")
         sub = self.broker.subscriber(
@@ -146,6 +147,37 @@ class Bus:
         )
         return sub(_consume)
 
+    async def _handle(self, spec: TopicSpec, handler: Callable[[M], Awaitable[None]], parsed: M, record: Any,
+                      group_id: str, max_attempts: int, retry_backoff_s: float) -> None:
+        """Run ``handler`` on one parsed record until it is handled, dead-lettered or given up on."""
+        failures = retries = 0
+        started = time.monotonic()
+        while True:
+            try:
+                await handler(parsed)
+                return
+            except asyncio.CancelledError:
+                raise
+            except (TransientError, BusError) as exc:
+                retries += 1
+                delay = transient_delay(self.settings, retries)
+                elapsed = time.monotonic() - started
+                where = f"{record.topic}[{record.partition}]@{record.offset}"
+                if elapsed + delay > self.settings.transient_budget_s:
+                    log.error("%s still failing after %d retries in %.1f s (%s: %s); leaving it uncommitted "
+                              "for redelivery", where, retries - 1, elapsed, type(exc).__name__, exc)
+                    raise
+                log.warning("%s: transient %s: %s; retry %d in %.2f s (%.1f s so far)", where,
+                            type(exc).__name__, exc, retries, delay, elapsed)
+                await asyncio.sleep(delay)
+            except Exception as exc:
+                failures += 1
+                if failures >= max_attempts:
+                    log.exception("handler failed %d times on %s; dead-lettering", failures, spec.name)
+                    await self.dead_letter(spec, record, group_id, exc)
+                    return
+                await asyncio.sleep(retry_backoff_s * 2 ** (failures - 1))
+
     async def dead_letter(self, spec: TopicSpec, record: Any, consumer: str, exc: BaseException) -> None:
         """Send ``record``'s original bytes to the DLQ with the reason; raises if Kafka refuses."""
         reason = str(exc)[:2000] or type(exc).__name__
@@ -153,6 +185,15 @@ class Bus:
         headers = dict(zip(DLQ_HEADERS, (reason, type(exc).__name__, record.topic, str(record.partition),
                                          str(record.offset), consumer)))
         await self.publish_raw(self.dlq_name(spec), record.value or b"", key=record.key, headers=headers)
+
+
+def transient_delay(settings: KafkaSettings, retry: int) -> float:
+    """Seconds to wait before transient retry number ``retry`` (1-based): exponential, capped."""
+    try:
+        delay = settings.transient_backoff_initial_s * settings.transient_backoff_factor ** (retry - 1)
+    except OverflowError:
+        delay = settings.transient_backoff_max_s
+    return min(delay, settings.transient_backoff_max_s)
 
 
 def dead_letter_from_record(record: Any) -> DeadLetter:
@@ -208,4 +249,4 @@ def _raise_on_create_errors(resp: Any) -> None:
             raise BusError(f"create topic {name} failed with Kafka error {code}: {rest}")
 
 
-__all__ = ["Bus", "MEMORY", "TOPICS", "dead_letter_from_record", "ensure_topics"]
+__all__ = ["Bus", "MEMORY", "TOPICS", "dead_letter_from_record", "ensure_topics", "transient_delay"]

@@ -1,8 +1,39 @@
-"""Idempotency keys for consumers: Redis in services, a dict in the in-memory default and tests."""
+"""Idempotency keys for consumers: Redis in services, a dict in the in-memory default and tests.
+
+Redis being unreachable is a :class:`~services.common.errors.TransientError` (see
+:func:`redis_transient`): a bus handler that hits it has its record retried, not dead-lettered.
+"""
 
 from __future__ import annotations
 
 import abc
+import contextlib
+from collections.abc import Iterator
+
+from services.common.errors import TransientError
+
+
+def is_redis_unavailable(exc: BaseException) -> bool:
+    """A Redis connection or timeout error (server down, restarting, loading, network)."""
+    try:
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+    except ImportError:  # pragma: no cover - redis is a core dependency
+        return False
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError))
+
+
+@contextlib.contextmanager
+def redis_transient(what: str) -> Iterator[None]:
+    """Re-raise a Redis connection/timeout error inside the block as TransientError naming ``what``."""
+    try:
+        yield
+    except TransientError:
+        raise
+    except Exception as exc:
+        if is_redis_unavailable(exc):
+            raise TransientError(f"{what}: Redis unavailable: {type(exc).__name__}: {exc}") from exc
+        raise
 
 
 class KeyStore(abc.ABC):
@@ -58,16 +89,20 @@ class RedisKeyStore(KeyStore):
         self.prefix = prefix
 
     async def seen(self, key: str) -> bool:
-        return bool(await self.client.exists(f"{self.prefix}:done:{key}"))
+        with redis_transient("idempotency key store"):
+            return bool(await self.client.exists(f"{self.prefix}:done:{key}"))
 
     async def mark(self, key: str) -> None:
-        await self.client.set(f"{self.prefix}:done:{key}", b"1")
+        with redis_transient("idempotency key store"):
+            await self.client.set(f"{self.prefix}:done:{key}", b"1")
 
     async def add(self, set_name: str, member: str) -> None:
-        await self.client.sadd(f"{self.prefix}:{set_name}", member)
+        with redis_transient("idempotency key store"):
+            await self.client.sadd(f"{self.prefix}:{set_name}", member)
 
     async def count(self, set_name: str) -> int:
-        return int(await self.client.scard(f"{self.prefix}:{set_name}"))
+        with redis_transient("idempotency key store"):
+            return int(await self.client.scard(f"{self.prefix}:{set_name}"))
 
     async def close(self) -> None:
         await self.client.aclose()

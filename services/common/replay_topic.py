@@ -1,18 +1,22 @@
 """Read topics without a consumer group (never moving any service's offsets).
 
-:func:`read_to_end` rebuilds state from everything on a topic now; :func:`read_messages` follows
-a topic from a point in time, for tools and tests that watch results arrive.
+:func:`read_topic` is the one typed reader: every message of a registry topic that exists now,
+decoded into its model (:func:`read_topic_records` adds key, partition, offset and timestamp).
+:func:`read_messages` follows a topic from a point in time, for tools and tests that watch
+results arrive. :func:`read_to_end`/:func:`read_records_to_end` are the raw-bytes layer below,
+for a topic given by its wire name.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 from schemas.base import Message, decode
-from schemas.topics import TopicSpec
+from schemas.topics import TopicSpec, wire_name
 from services.common.errors import SchemaError
 from services.common.settings import KafkaSettings
 
@@ -53,6 +57,98 @@ async def read_records_to_end(settings: KafkaSettings, name: str) -> AsyncIterat
         await consumer.stop()
 
 
+OnUnreadable = Callable[[Any, SchemaError], None]
+
+
+@dataclass(frozen=True)
+class TopicRecord(Generic[M]):
+    """One decoded record: the message and where it sits on the topic."""
+
+    message: M
+    key: bytes | None
+    partition: int
+    offset: int
+    timestamp_ms: int  # when the broker appended it (CreateTime as sent by the producer)
+
+
+def _ms(t: datetime | None) -> int | None:
+    return None if t is None else int(t.timestamp() * 1000)
+
+
+@overload
+def read_topic_records(settings: KafkaSettings, spec: TopicSpec, *, model: type[M], since: datetime | None = ...,
+                       until: datetime | None = ..., on_unreadable: OnUnreadable | None = ...,
+                       strict: bool = ...) -> AsyncIterator[TopicRecord[M]]: ...
+@overload
+def read_topic_records(settings: KafkaSettings, spec: TopicSpec, *, model: None = ...,
+                       since: datetime | None = ..., until: datetime | None = ...,
+                       on_unreadable: OnUnreadable | None = ...,
+                       strict: bool = ...) -> AsyncIterator[TopicRecord[Any]]: ...
+async def read_topic_records(settings: KafkaSettings, spec: TopicSpec, *, model: type[M] | None = None,
+                             since: datetime | None = None, until: datetime | None = None,
+                             on_unreadable: OnUnreadable | None = None,
+                             strict: bool = False) -> AsyncIterator[TopicRecord[Any]]:
+    """Every record of ``spec``'s topic that exists now, decoded, with its key/partition/offset/timestamp.
+
+    Like :func:`read_topic`, whose arguments these are.
+    """
+    name = wire_name(settings, spec)
+    model_cls: type[Message] = model or spec.model
+    lo, hi = _ms(since), _ms(until)
+    skipped = 0
+    try:
+        async for rec in read_records_to_end(settings, name):
+            if (lo is not None and rec.timestamp < lo) or (hi is not None and rec.timestamp >= hi):
+                continue
+            try:
+                message = decode(model_cls, rec.value)
+            except SchemaError as exc:
+                if strict:
+                    raise SchemaError(f"{name}[{rec.partition}]@{rec.offset}: {exc}") from exc
+                skipped += 1
+                log.debug("%s[%d]@%d: unreadable, skipped: %s", name, rec.partition, rec.offset, exc)
+                if on_unreadable is not None:
+                    on_unreadable(rec, exc)
+                continue
+            yield TopicRecord(message, rec.key, rec.partition, rec.offset, rec.timestamp)
+    finally:
+        if skipped:
+            log.info("%s: skipped %d unreadable record(s) (the topic's consumers dead-letter them)", name, skipped)
+
+
+@overload
+def read_topic(settings: KafkaSettings, spec: TopicSpec, *, model: type[M], since: datetime | None = ...,
+               until: datetime | None = ..., on_unreadable: OnUnreadable | None = ...,
+               strict: bool = ...) -> AsyncIterator[M]: ...
+@overload
+def read_topic(settings: KafkaSettings, spec: TopicSpec, *, model: None = ..., since: datetime | None = ...,
+               until: datetime | None = ..., on_unreadable: OnUnreadable | None = ...,
+               strict: bool = ...) -> AsyncIterator[Any]: ...
+async def read_topic(settings: KafkaSettings, spec: TopicSpec, *, model: type[M] | None = None,
+                     since: datetime | None = None, until: datetime | None = None,
+                     on_unreadable: OnUnreadable | None = None, strict: bool = False) -> AsyncIterator[Any]:
+    """Every message of ``spec``'s topic that exists now, decoded into ``model`` (default: the
+    registry's ``spec.model``); within a partition in offset order, then the read ends.
+
+    - ``settings``: the Kafka connection; the wire name is ``wire_name(settings, spec)``
+      (``settings.topic_namespace + spec.name``), the same as ``Bus.name``.
+    - ``since``/``until``: only records the broker appended at or after ``since`` and before
+      ``until`` (the record timestamps; either may be None). For "at or before T" pass
+      ``until=T + timedelta(milliseconds=1)``.
+    - a record that does not decode (bad JSON, wrong shape, unknown ``schema_version``) is skipped
+      and counted (one log line at the end); ``on_unreadable(record, error)`` is called for each,
+      to count or report them. ``strict=True`` raises :class:`SchemaError` naming the record instead.
+
+    Reads with no consumer group: no service's offsets move. Example::
+
+        async for v in read_topic(settings.kafka, topic("verdicts")):
+            ...
+    """
+    async for rec in read_topic_records(settings, spec, model=model, since=since, until=until,
+                                        on_unreadable=on_unreadable, strict=strict):
+        yield rec.message
+
+
 async def read_messages(settings: KafkaSettings, spec: TopicSpec, model: type[M], *,
                         limit: int | None = None, idle_s: float = 5.0,
                         since: datetime | None = None) -> AsyncIterator[M]:
@@ -62,7 +158,7 @@ async def read_messages(settings: KafkaSettings, spec: TopicSpec, model: type[M]
     """
     from aiokafka import AIOKafkaConsumer
 
-    name = f"{settings.topic_namespace}{spec.name}"
+    name = wire_name(settings, spec)
     consumer = AIOKafkaConsumer(name, bootstrap_servers=settings.bootstrap_servers, group_id=None,
                                 enable_auto_commit=False, auto_offset_reset="earliest")
     await consumer.start()

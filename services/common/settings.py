@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -22,6 +22,25 @@ class KafkaSettings(BaseModel):
                                  description="Prefix for every topic name (tests use a fresh one)")
     ensure_topics: bool = Field(default=True,
                                 description="Create registry topics with their partition counts at start")
+    transient_backoff_initial_s: float = Field(
+        default=0.25, gt=0, le=30,
+        description="A handler that raised TransientError (or BusError) is retried in place after this "
+                    "long the first time")
+    transient_backoff_factor: float = Field(default=2.0, ge=1, le=10,
+                                            description="Each further retry waits this many times longer")
+    transient_backoff_max_s: float = Field(default=5.0, gt=0, le=60,
+                                           description="No wait between transient retries is longer than this")
+    transient_budget_s: float = Field(
+        default=120.0, gt=0, le=270,
+        description="After retrying one record this long the consumer gives up on it uncommitted (it is "
+                    "redelivered, never dead-lettered); kept under Kafka's max.poll.interval.ms (300 s)")
+
+    @model_validator(mode="after")
+    def _backoff_cap_not_below_start(self) -> KafkaSettings:
+        if self.transient_backoff_max_s < self.transient_backoff_initial_s:
+            raise ValueError(f"transient_backoff_max_s ({self.transient_backoff_max_s}) is below "
+                             f"transient_backoff_initial_s ({self.transient_backoff_initial_s})")
+        return self
 
 
 class RedisSettings(BaseModel):

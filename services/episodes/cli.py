@@ -57,15 +57,15 @@ async def _dataset(kafka, args) -> int:
 
 
 async def _build(kafka, args) -> int:
-    from schemas.base import decode
     from schemas.task import Task
     from schemas.topics import topic
-    from services.common.replay_topic import read_to_end
+    from services.common.replay_topic import read_topic
     from services.episodes.tasks import write_task
 
     n = 0
-    async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{topic('tasks').name}"):
-        write_task(decode(Task, raw), args.out)
+    # strict: a task record that does not decode stops the build, naming it (as before)
+    async for task in read_topic(kafka, topic("tasks"), model=Task, strict=True):
+        write_task(task, args.out)
         n += 1
     print(f"{n} task records -> {args.out} (content-addressed: unchanged tasks are rewritten identically)")
     return 0

@@ -19,15 +19,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
-from schemas.base import content_id, decode
-from schemas.episode import Episode
+from schemas.base import content_id
 from schemas.topics import topic
 from schemas.trace import Trace
 from schemas.verdict import Verdict
 from services.common.bus import Bus
-from services.common.errors import SchemaError
-from services.common.idempotency import KeyStore
-from services.common.replay_topic import read_to_end
+from services.common.idempotency import KeyStore, redis_transient
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 from services.episodes.build import build_episode, episode_id, ndcg_component
 from services.episodes.state import JoinStore
@@ -72,6 +70,15 @@ class EpisodeBuilder:
         self._lock = asyncio.Lock()
 
     async def on_trace(self, trace: Trace) -> None:
+        # Redis down is transient: the bus retries the record in place (the join steps are idempotent).
+        with redis_transient("episode builder state"):
+            await self._on_trace(trace)
+
+    async def on_verdict(self, verdict: Verdict) -> None:
+        with redis_transient("episode builder state"):
+            await self._on_verdict(verdict)
+
+    async def _on_trace(self, trace: Trace) -> None:
         async with self._lock:
             # Kept even when routed (it expires like any unjudged trace): a later verdict must find
             # it to be recognised as a routed trace's, instead of waiting for it forever.
@@ -85,7 +92,7 @@ class EpisodeBuilder:
                     await self._emit(trace, verdict)
             await self.state.drop_pending(trace.trace_id, [v.verdict_id for v in waiting])
 
-    async def on_verdict(self, verdict: Verdict) -> None:
+    async def _on_verdict(self, verdict: Verdict) -> None:
         if verdict.status != "ok" or not verdict.ordering:
             self.metrics.skipped.inc()
             return
@@ -134,11 +141,7 @@ class EpisodeBuilder:
         if self.bus.in_memory:
             return 0
         n = 0
-        async for raw in read_to_end(kafka, self.bus.name(topic("episodes"))):
-            try:
-                ep = decode(Episode, raw)
-            except SchemaError:
-                continue
+        async for ep in read_topic(kafka, topic("episodes")):
             for comp in ep.rewards:
                 await self.done.mark(emitted_key(ep.episode_id, comp.source))
                 n += 1

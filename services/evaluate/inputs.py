@@ -45,18 +45,16 @@ def load_traces_file(path: Path) -> list[Trace]:
 async def topic_traces(kafka: KafkaSettings, since: datetime | None = None,
                        until: datetime | None = None) -> tuple[list[Trace], int]:
     """(traces, unreadable): the ``traces`` topic as it is now, records appended in [since, until)."""
-    from services.common.replay_topic import read_records_to_end
+    from services.common.replay_topic import read_topic
 
-    lo = int(since.timestamp() * 1000) if since else None
-    hi = int(until.timestamp() * 1000) if until else None
-    out, bad = [], 0
-    async for rec in read_records_to_end(kafka, f"{kafka.topic_namespace}{topic('traces').name}"):
-        if (lo is not None and rec.timestamp < lo) or (hi is not None and rec.timestamp >= hi):
-            continue
-        try:
-            out.append(decode(Trace, rec.value))
-        except SchemaError:
-            bad += 1  # the consumers dead-letter these
+    bad = 0
+
+    def unreadable(record, exc) -> None:
+        nonlocal bad
+        bad += 1  # the consumers dead-letter these
+
+    out = [t async for t in read_topic(kafka, topic("traces"), model=Trace, since=since, until=until,
+                                       on_unreadable=unreadable)]
     return out, bad
 
 

@@ -14,11 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from schemas.adapter import AdapterPublished, versioned_name
-from schemas.base import decode
 from schemas.topics import topic
 from services.common.bus import Bus
-from services.common.errors import SchemaError
-from services.common.replay_topic import read_to_end
+from services.common.replay_topic import read_topic
 from services.common.stamps import StampStore
 
 log = logging.getLogger(__name__)
@@ -123,11 +121,7 @@ class PromotedFollower:
             return None
         found = None
         try:
-            async for raw in read_to_end(self.bus.settings, self.bus.name(topic("adapters"))):
-                try:
-                    msg = decode(AdapterPublished, raw)
-                except SchemaError:
-                    continue
+            async for msg in read_topic(self.bus.settings, topic("adapters"), model=AdapterPublished):
                 if msg.model_id == self.model_id and msg.promoted:
                     found = (msg.version, msg.fallback_provider)
         except Exception as exc:  # start must not fail on it; the tail and the poll catch up

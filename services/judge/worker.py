@@ -15,14 +15,13 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
-from schemas.base import content_id, decode
+from schemas.base import content_id
 from schemas.topics import topic
 from schemas.trace import Trace
 from schemas.verdict import CandidateGrade, Verdict
 from services.common.bus import Bus
-from services.common.errors import SchemaError
 from services.common.idempotency import KeyStore
-from services.common.replay_topic import read_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 from services.judge.base import JudgeBackend, JudgeFailed, JudgeResult
 from services.judge.blind import Blinded, blind
@@ -81,12 +80,8 @@ class JudgeWorker:
         if self.bus.in_memory:
             return 0
         n = 0
-        async for raw in read_to_end(kafka, self.bus.name(topic("verdicts"))):
-            try:
-                vid = decode(Verdict, raw).verdict_id
-            except SchemaError:
-                continue
-            await self.store.mark(vid)
+        async for verdict in read_topic(kafka, topic("verdicts")):
+            await self.store.mark(verdict.verdict_id)
             n += 1
         return n
 

@@ -4,6 +4,12 @@ A version is pulled into ``<cache>/<model_id>/<version>/`` through a *fetcher* (
 client when it is installed, plain HTTP file downloads otherwise; tests inject their own), into a
 temporary dir first; every file is then hashed against the announcement, and only a dir that
 verifies is renamed into place and loaded. A mismatch deletes the download and names the file.
+
+A source that cannot be reached (connection refused, timeout, HTTP 5xx) raises
+:class:`SourceUnreachable`, a :class:`~services.common.errors.TransientError`: the bus retries
+the announcement in place until the publisher is back, instead of dead-lettering it. A refusal
+(HTTP 4xx) or a hash mismatch stays a permanent :class:`AdapterUnavailable` (dead-lettered with
+its reason).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from schemas.adapter import AdapterPublished, parse_versioned, versioned_name
+from services.common.errors import TransientError
 from services.sampler.registry import (
     AdapterEntry,
     AdapterError,
@@ -30,6 +37,36 @@ from services.sampler.registry import (
 
 log = logging.getLogger(__name__)
 VERIFIED_MARKER = ".fanroute-verified.json"
+
+
+class SourceUnreachable(AdapterUnavailable, TransientError):
+    """The publisher (or the announced file server) could not be reached or answered 5xx: try later."""
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Whether a fetch failed because its source is briefly down (not because it refused or lied).
+
+    Walks the exception's causes: a connect/read timeout or network error, an HTTP 5xx (from the
+    publisher client or a plain download), or a TransientError count; an HTTP 4xx, a hash
+    mismatch or anything else does not.
+    """
+    import httpx
+
+    from services.common.publisher_client import PublisherClientError
+
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, PublisherClientError) and cur.status is not None:
+            return cur.status >= 500
+        if isinstance(cur, httpx.HTTPStatusError):
+            return cur.response.status_code >= 500
+        if isinstance(cur, (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError,
+                            TransientError, ConnectionError, TimeoutError)):
+            return True
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return False
 
 
 class Fetcher(Protocol):
@@ -220,9 +257,14 @@ class AdapterWorker:
         except AdapterIntegrityError as exc:
             log.error("refusing %s: %s", name, exc)
             raise AdapterUnavailable(f"{name}: download refused, not loaded: {exc}") from exc
-        except AdapterUnavailable:
-            raise
+        except AdapterUnavailable as exc:
+            if isinstance(exc, TransientError) or not is_unreachable(exc):
+                raise
+            raise SourceUnreachable(f"{name}: source unreachable (try again later): {exc}") from exc
         except Exception as exc:
+            if is_unreachable(exc):  # the bus logs each retry
+                raise SourceUnreachable(f"{name}: source unreachable (try again later): {type(exc).__name__}: "
+                                        f"{exc}") from exc
             raise AdapterUnavailable(f"{name}: could not be fetched: {type(exc).__name__}: {exc}") from exc
         entry = AdapterEntry(name, path, model_id=model_id, version=version)
         try:
@@ -236,4 +278,5 @@ class AdapterWorker:
         return entry
 
 
-__all__ = ["AdapterStore", "AdapterWorker", "Fetcher", "SamplerLike", "default_fetcher", "http_file_fetcher"]
+__all__ = ["AdapterStore", "AdapterWorker", "Fetcher", "SamplerLike", "SourceUnreachable", "default_fetcher",
+           "http_file_fetcher", "is_unreachable"]

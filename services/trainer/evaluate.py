@@ -14,10 +14,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from schemas.base import decode
 from schemas.episode import Episode
 from schemas.verdict import Verdict
-from services.common.errors import SchemaError
 from services.common.ndcg import parse_ordering, tie_aware_ndcg
 from services.common.prompt import JudgeKey, chat_messages, providers_of
 from services.common.settings import KafkaSettings
@@ -136,14 +134,10 @@ def evaluate(model: Any, tokenizer: Any, items: Sequence[EvalItem], max_new_toke
 async def kafka_grades(kafka: KafkaSettings, wanted: Mapping[str, JudgeKey]) -> GradesFor:
     """``grades_for`` over the verdicts topic: for each wanted trace, the newest ok verdict of its judge."""
     from schemas.topics import topic
-    from services.common.replay_topic import read_to_end
+    from services.common.replay_topic import read_topic
 
     found: dict[str, Verdict] = {}
-    async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{topic('verdicts').name}"):
-        try:
-            v = decode(Verdict, raw)
-        except SchemaError:
-            continue
+    async for v in read_topic(kafka, topic("verdicts"), model=Verdict):
         judge = wanted.get(v.trace_id)
         if (v.status == "ok" and judge is not None and v.judge_model == judge.judge_model
                 and v.rubric_hash.startswith(judge.rubric_prefix)

@@ -20,7 +20,7 @@ import pytest
 from schemas import Episode, Task, topic
 from services.common.bus import Bus
 from services.common.dataset import dataset_as_of, write_jsonl
-from services.common.replay_topic import read_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
 from services.episodes.atif import write_atif
 from services.episodes.settings import EpisodeSettings
@@ -41,9 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def _all(kafka: KafkaSettings, name: str, model):
-    from schemas.base import decode
-
-    return [decode(model, raw) async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{name}")]
+    return [m async for m in read_topic(kafka, topic(name), model=model, strict=True)]
 
 
 async def _until(fn, timeout_s: float, what: str):

@@ -20,11 +20,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from schemas import AdapterPublished, topic
-from schemas.base import decode
 from services.cli import main
 from services.common.bus import Bus
 from services.common.publisher_client import PublisherClient
-from services.common.replay_topic import read_records_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
 from services.common.stamps import parse_promoted, promoted_key
 from services.evaluate.report import read_report, write_json
@@ -129,8 +128,7 @@ async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypat
         assert record["evidence"]["decision"]["decision"] == "promote"
         assert record["evidence"]["eval"]["inputs"]["candidate"] == "router@2"
         assert json.loads((tmp_path / "eval-better" / "decision.json").read_text())["promoted"] is True
-        messages = [decode(AdapterPublished, rec.value)
-                    async for rec in read_records_to_end(kafka, f"{ns}{topic('adapters').name}")]
+        messages = [m async for m in read_topic(kafka, topic("adapters"), model=AdapterPublished, strict=True)]
         assert [(m.version, m.promoted, m.fallback_provider) for m in messages if m.promoted] == [
             (1, True, "cheap"), (2, True, "cheap")]
     finally:

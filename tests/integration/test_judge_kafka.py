@@ -16,9 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from schemas import Verdict, decode, topic
+from schemas import Verdict, topic
+from schemas.topics import wire_name
 from services.common.bus import Bus
-from services.common.replay_topic import read_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
 from services.gateway.app import build_gateway, create_app
 from services.gateway.settings import GatewaySettings
@@ -37,7 +38,7 @@ TRACE_PROVIDERS = [BM25Config(name=n) for n in ("bm25-all", "dense-all", "eng-bm
 
 
 async def _verdicts(kafka: KafkaSettings) -> list[Verdict]:
-    return [decode(Verdict, raw) async for raw in read_to_end(kafka, f"{kafka.topic_namespace}verdicts")]
+    return [v async for v in read_topic(kafka, topic("verdicts"), model=Verdict, strict=True)]
 
 
 async def _wait(cond, timeout_s: float, what: str, every_s: float = 0.2):
@@ -58,7 +59,7 @@ async def _group_caught_up(kafka: KafkaSettings, group: str) -> bool:
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    probe = AIOKafkaConsumer(f"{kafka.topic_namespace}traces", bootstrap_servers=kafka.bootstrap_servers,
+    probe = AIOKafkaConsumer(wire_name(kafka, topic("traces")), bootstrap_servers=kafka.bootstrap_servers,
                              group_id=None)
     await admin.start()
     await probe.start()

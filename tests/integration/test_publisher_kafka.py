@@ -12,10 +12,9 @@ import pytest
 import redis.asyncio as redis
 import uvicorn
 
-from schemas import AdapterPublished
-from schemas.base import decode
+from schemas import AdapterPublished, topic
 from services.common.publisher_client import PublisherClient
-from services.common.replay_topic import read_records_to_end
+from services.common.replay_topic import read_topic_records
 from services.common.settings import KafkaSettings, RedisSettings
 from services.common.stamps import parse_promoted, promoted_key, stamp_key
 from services.publisher.app import create_app
@@ -71,7 +70,8 @@ async def test_versions_reach_the_topic_and_move_the_redis_stamp(kafka_bootstrap
                                 expect_sha256=v2["files_sha256"])
             final_stamp = await call(client.stamp, "router")
         ttl_ms = await r.pttl(f"fanroute:{ns}adapter:serving:router:sampler-0")
-        records = [rec async for rec in read_records_to_end(settings.kafka, f"{ns}adapters")]
+        records = [rec async for rec in read_topic_records(settings.kafka, topic("adapters"), model=AdapterPublished,
+                                                           strict=True)]
     finally:
         server.should_exit = True
         await serving
@@ -81,7 +81,7 @@ async def test_versions_reach_the_topic_and_move_the_redis_stamp(kafka_bootstrap
     assert parse_promoted(promoted_record) == (2, "bm25-all")
     assert (v1["version"], v2["version"], again["version"]) == (1, 2, 2)
     assert promoted["promoted"] is True and promoted["version"] == 2
-    messages = [decode(AdapterPublished, rec.value) for rec in records]
+    messages = [rec.message for rec in records]
     assert [rec.key for rec in records] == [b"router"] * 3
     assert [(m.version, m.promoted) for m in messages] == [(1, False), (2, False), (2, True)]
     assert messages[1].model_dump(mode="json") == v2
