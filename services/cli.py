@@ -21,7 +21,8 @@ SERVICES: dict[str, tuple[str, str]] = {
 }
 #: Packages whose ``cli.py`` registers commands, in help order.
 COMMANDS = ("services.tools.cli", "services.judge.cli", "services.episodes.cli", "services.importer.cli",
-            "services.publisher.cli", "services.models.cli", "services.trainer.cli", "services.evaluate.cli")
+            "services.publisher.cli", "services.models.cli", "services.trainer.cli", "services.evaluate.cli",
+            "services.common.cli")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
