@@ -9,14 +9,12 @@ one canonical encoding, so two builds as of the same T are identical byte for by
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
-from schemas.base import decode
 from schemas.episode import Episode
 from schemas.topics import topic
-from services.common.errors import SchemaError
-from services.common.replay_topic import read_records_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 
 
@@ -31,16 +29,9 @@ def merge(first: Episode, later: Episode) -> Episode:
 
 async def dataset_as_of(kafka: KafkaSettings, as_of: datetime) -> list[Episode]:
     """Episodes whose records were appended at or before ``as_of``, merged, sorted by id."""
-    limit_ms = int(as_of.timestamp() * 1000)
     out: dict[str, Episode] = {}
-    name = f"{kafka.topic_namespace}{topic('episodes').name}"
-    async for rec in read_records_to_end(kafka, name):
-        if rec.timestamp > limit_ms:
-            continue
-        try:
-            ep = decode(Episode, rec.value)
-        except SchemaError:
-            continue  # the consumers dead-letter these; a dataset skips them
+    # Unreadable records are skipped (the consumers dead-letter them); "at or before" is "before + 1 ms".
+    async for ep in read_topic(kafka, topic("episodes"), model=Episode, until=as_of + timedelta(milliseconds=1)):
         out[ep.episode_id] = merge(out[ep.episode_id], ep) if ep.episode_id in out else ep
     return [out[k] for k in sorted(out)]
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from schemas.base import decode
 from schemas.calibration import CalibrationRecord, gate_key
 from schemas.topics import topic
 from services.common import replay_topic
-from services.common.errors import SchemaError
 from services.common.prompt import JudgeKey
 from services.common.settings import KafkaSettings
 
@@ -44,13 +42,7 @@ class Gates:
 
 async def read_gates(kafka: KafkaSettings) -> Gates:
     """Every calibration record on the topic up to its end now (records that do not decode are skipped)."""
-    records = []
-    async for raw in replay_topic.read_to_end(kafka, f"{kafka.topic_namespace}{topic('calibrations').name}"):
-        try:
-            records.append(decode(CalibrationRecord, raw))
-        except SchemaError:
-            continue
-    return Gates(records)
+    return Gates([rec async for rec in replay_topic.read_topic(kafka, topic("calibrations"), model=CalibrationRecord)])
 
 
 async def latest_gate(kafka: KafkaSettings, key: str) -> CalibrationRecord | None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 from collections.abc import Sequence
 
 from schemas.trace import Trace
+from services.common.progress import gather_bounded
 from services.evaluate.inputs import EvalInputError
 from services.evaluate.policies import RouterCall
 from services.router.client import RouterClient, RouterError, RouterUnparseable
@@ -46,28 +46,17 @@ async def ask_all(client: RouterClient, model: str, traces: Sequence[Trace], *, 
 
     ``router_ms`` is measured around each call (a failure costs the time until it failed).
     """
-    from tqdm import tqdm
-
-    gate = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(traces), desc=f"route {model}", unit="q", disable=not progress)
-
     async def one(t: Trace) -> tuple[str, RouterCall]:
-        providers = [c.provider for c in t.candidates]
-        async with gate:
-            t0 = time.perf_counter()
-            try:
-                answer = await client.route(model, providers, t.query)
-            except RouterError as exc:
-                call = RouterCall(error_kind=exc.kind, router_ms=_ms(t0), raw=getattr(exc, "raw", ""), error=str(exc))
-            else:
-                call = RouterCall(ordering=answer.ordering, router_ms=_ms(t0), raw=answer.raw)
-        bar.update()
-        return t.trace_id, call
+        t0 = time.perf_counter()
+        try:
+            answer = await client.route(model, [c.provider for c in t.candidates], t.query)
+        except RouterError as exc:
+            return t.trace_id, RouterCall(error_kind=exc.kind, router_ms=_ms(t0), raw=getattr(exc, "raw", ""),
+                                          error=str(exc))
+        return t.trace_id, RouterCall(ordering=answer.ordering, router_ms=_ms(t0), raw=answer.raw)
 
-    try:
-        return dict(await asyncio.gather(*(one(t) for t in traces)))
-    finally:
-        bar.close()
+    return dict(await gather_bounded(one, traces, concurrency=concurrency, desc=f"route {model}", unit="q",
+                                     progress=progress))
 
 
 def _ms(t0: float) -> float:

@@ -10,12 +10,12 @@ trace, which never sees the fused list. Failed providers get 0 by rule, as in th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 
 from schemas.trace import Candidate, Citation, Trace
 from services.common.ir import ndcg_at_k
+from services.common.progress import gather_bounded
 from services.evaluate.policies import FUSED
 from services.judge.base import JudgeBackend, JudgeFailed
 from services.judge.blind import blind
@@ -65,21 +65,11 @@ async def judge_grades(backend: JudgeBackend, trace: Trace, hide: tuple[str, ...
 async def judge_all(backend: JudgeBackend, traces: Sequence[Trace], *, hide: tuple[str, ...] = (),
                     concurrency: int = 4, progress: bool = True) -> dict[str, dict[str, int] | None]:
     """trace id → grades (None: judge failed), at most ``concurrency`` judge calls in flight."""
-    from tqdm import tqdm
-
-    gate = asyncio.Semaphore(concurrency)
-    bar = tqdm(total=len(traces), desc="judge", unit="trace", disable=not progress)
-
     async def one(t: Trace) -> tuple[str, dict[str, int] | None]:
-        async with gate:
-            grades = await judge_grades(backend, t, hide)
-        bar.update()
-        return t.trace_id, grades
+        return t.trace_id, await judge_grades(backend, t, hide)
 
-    try:
-        return dict(await asyncio.gather(*(one(t) for t in traces)))
-    finally:
-        bar.close()
+    return dict(await gather_bounded(one, traces, concurrency=concurrency, desc="judge", unit="trace",
+                                     progress=progress))
 
 
 def human_scores(trace: Trace, store: QrelsStore) -> dict[str, float] | None:

@@ -16,13 +16,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from schemas.base import content_id, decode
+from schemas.base import content_id
 from schemas.calibration import CalibrationRecord, ProviderAgreement, Review, gate_key
 from schemas.topics import topic
 from schemas.trace import Trace
 from schemas.verdict import Verdict
-from services.common.errors import SchemaError
-from services.common.replay_topic import read_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 from services.common.splits import dev_half
 from services.judge.base import JudgeBackend
@@ -107,11 +106,7 @@ async def verdict_tiers(kafka: KafkaSettings, backend: JudgeBackend) -> dict[str
     """This judge's ok verdicts on the topic, as trace id → ordering."""
     out = {}
     ident, rubric = backend.identity, backend.rubric
-    async for raw in read_to_end(kafka, f"{kafka.topic_namespace}{topic('verdicts').name}"):
-        try:
-            v = decode(Verdict, raw)
-        except SchemaError:
-            continue
+    async for v in read_topic(kafka, topic("verdicts"), model=Verdict):
         if (v.status, v.judge_kind, v.judge_model, v.rubric_hash) == ("ok", ident.kind, ident.model, rubric):
             out.setdefault(v.trace_id, v.ordering)
     return out

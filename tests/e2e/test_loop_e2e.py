@@ -11,9 +11,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from schemas import AdapterPublished, Episode, Task, Trace, Verdict, topic
-from schemas.base import decode
 from schemas.calibration import CalibrationRecord
-from services.common.replay_topic import read_records_to_end
+from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 from services.common.stamps import parse_promoted, promoted_key
 from services.episodes.build import build_episode
@@ -37,8 +36,7 @@ HELD_OUT = 0.3
 
 async def _records(kafka: KafkaSettings, name: str, model) -> list:
     """Every record now on topic ``name`` of this run's namespace (fresh: nothing else wrote there)."""
-    wire = f"{kafka.topic_namespace}{topic(name).name}"
-    return [decode(model, rec.value) async for rec in read_records_to_end(kafka, wire)]
+    return [m async for m in read_topic(kafka, topic(name), model=model, strict=True)]
 
 
 async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_path, monkeypatch):

@@ -359,7 +359,7 @@ def test_publisher_url_builds_the_client_lazily_and_failures_are_reported(make_s
 
 
 async def test_kafka_gate_lookup_matches_model_rubric_prefix_and_providers(monkeypatch) -> None:
-    from schemas.calibration import gate_key
+    from schemas.calibration import CalibrationRecord, gate_key
     from services.common import replay_topic
     from services.common.settings import KafkaSettings
     from services.trainer.data import kafka_gate_lookup
@@ -368,12 +368,12 @@ async def test_kafka_gate_lookup_matches_model_rubric_prefix_and_providers(monke
     records = [gate(True).model_copy(update={"gate_key": gate_key("local", "local-lexical-v1", full, PROVIDERS)}),
                gate(True).model_copy(update={"judge_model": "other", "gate_key": "x" * 24})]
 
-    async def read_to_end(kafka, name):
-        assert name.endswith("calibrations")
+    async def read_topic(kafka, spec, *, model):
+        assert spec.name == "calibrations" and model is CalibrationRecord
         for r in records:
-            yield r.to_bytes()
+            yield r
 
-    monkeypatch.setattr(replay_topic, "read_to_end", read_to_end)
+    monkeypatch.setattr(replay_topic, "read_topic", read_topic)
     key = judge_key_of(JUDGE)
     lookup = await kafka_gate_lookup(KafkaSettings(), [(key, PROVIDERS), (key, ("alpha", "beta"))])
     assert lookup(key, PROVIDERS) == records[0]
