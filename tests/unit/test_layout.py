@@ -88,6 +88,9 @@ def file_set_violations(root: Path) -> list[str]:
         missing += [] if have & {"app.py", "worker.py"} else ["app.py or worker.py"]
         if missing:
             bad.append(f"services/{name}: missing {', '.join(missing)}")
+    for folder in sorted({p.parent for p in services.rglob("*.py")}):
+        if not (folder / "__init__.py").is_file():
+            bad.append(f"{folder.relative_to(root)}: no __init__.py (every package says what it is)")
     for path in sorted(services.rglob("*.py")):
         rel = path.relative_to(root)
         defines = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
@@ -150,12 +153,17 @@ def test_a_new_cross_layer_import_is_caught(tmp_path: Path, rel: str, text: str,
 
 
 def test_a_missing_service_file_and_a_stray_parser_are_caught(tmp_path: Path) -> None:
-    files = {f"services/{n}/{f}": "" for n in LONG_RUNNING for f in ("__main__.py", "settings.py", "app.py")}
+    files = {f"services/{n}/{f}": "" for n in LONG_RUNNING
+             for f in ("__init__.py", "__main__.py", "settings.py", "app.py")}
     del files["services/judge/settings.py"]
+    files["services/trainer/__init__.py"] = ""
     files["services/trainer/__main__.py"] = "def add_parser(sub):\n    pass\n"
+    files["services/trainer/loose/x.py"] = ""
     found = file_set_violations(_tree(tmp_path, files))
     assert found[0] == "services/judge: missing settings.py"
+    assert "services/trainer/loose: no __init__.py (every package says what it is)" in found
     assert any(f.startswith("services/trainer/__main__.py: defines add_parser") for f in found), found
+    assert len(found) == 4, found  # the stray parser is also a __main__ that holds a command's parser
 
 
 def test_a_long_module_is_caught(tmp_path: Path) -> None:
