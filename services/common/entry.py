@@ -4,6 +4,7 @@ logging, then ``asyncio.run`` of its ``run``; HTTP services serve their app with
 from __future__ import annotations
 
 import asyncio
+import importlib
 import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -37,3 +38,13 @@ async def serve_app(app: Any, settings: Any) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on")
     await uvicorn.Server(config).serve()
+
+
+def app_main(name: str, load: Callable[[], Any], app_module: str) -> int:
+    """:func:`service_main` for an HTTP service: serve ``<app_module>.create_app(settings)``, the app
+    (and whatever heavy module it needs) imported only after the settings parsed."""
+
+    async def run(settings: Any) -> None:
+        await serve_app(importlib.import_module(app_module).create_app(settings), settings)
+
+    return service_main(name, load, run)

@@ -5,16 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from services.common.entry import serve_app, service_main
+from services.common.entry import app_main
 from services.common.logging import setup_logging
 from services.publisher.settings import PublisherSettings
-
-
-async def run(settings: PublisherSettings) -> None:
-    """Serve until interrupted."""
-    from services.publisher.app import create_app
-
-    await serve_app(create_app(settings), settings)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "export":
         setup_logging("WARNING")
         return cli.run(args)
-    return service_main("publisher", PublisherSettings, run)
+    return app_main("publisher", PublisherSettings, "services.publisher.app")
 
 
 if __name__ == "__main__":
