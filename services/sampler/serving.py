@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from schemas.adapter import parse_versioned
 from schemas.topics import topic
 from services.common.bus import Bus
+from services.common.errors import TransientError
 from services.sampler.engine import Engine, Generation, SamplingParams
 from services.sampler.registry import (
     AdapterEntry,
@@ -25,7 +26,12 @@ from services.sampler.registry import (
     check_adapter_dir,
 )
 from services.sampler.settings import SamplerSettings
-from services.sampler.wire import ApiError, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, bad_request
+from services.sampler.wire import (
+    ApiError,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    bad_request,
+)
 from services.sampler.worker import (
     AdapterStore,
     AdapterWorker,
@@ -180,6 +186,10 @@ class Sampler:
             return None
         try:
             return await self.worker.ensure(model)
+        except TransientError as exc:  # the publisher is briefly down: the same request may work later
+            self.metrics.adapter_events.labels("source_unreachable").inc()
+            raise ApiError(503, "adapter_source_unreachable", str(exc), vllm_type="ServiceUnavailableError",
+                           param="model") from exc
         except AdapterUnavailable as exc:
             self.metrics.adapter_events.labels("unavailable").inc()
             raise ApiError(404, "model_not_found", str(exc), vllm_type="NotFoundError", param="model") from exc

@@ -19,7 +19,7 @@ from services.sampler.engine import Engine
 from services.sampler.registry import AdapterUnavailable
 from services.sampler.serving import Sampler
 from services.sampler.settings import SamplerSettings
-from tests.tiny_lm import build_lora_adapter, build_tiny_lm
+from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 
 TOL = 1e-4
 BASE = "tiny-base"
@@ -31,7 +31,7 @@ PROMPT = "which search provider should answer"
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A tiny base model and two LoRA adapters (different seeds, different target modules)."""
     root = tmp_path_factory.mktemp("tiny-lm")
-    base = build_tiny_lm(root / "base")
+    base = build_tiny_model(root / "base", context=128)
     return {"base": base,
             "a": build_lora_adapter(base, root / "lora-a", seed=1),
             "b": build_lora_adapter(base, root / "lora-b", seed=2, targets=("k_proj", "gate_proj"))}
@@ -93,12 +93,15 @@ async def harness(request, tiny, tmp_path):
     """Overrides through ``@pytest.mark.parametrize('harness', [{...}], indirect=True)``."""
     overrides = dict(getattr(request, "param", {}))
     corrupt = overrides.pop("corrupt", False)
+    down = overrides.pop("down", False)
     fetched: list = []
     served = {1: tiny["a"], 2: tiny["b"], 7: tiny["a"]}
 
     def fetcher(model_id, version, url, files_sha256, dest_dir):
         """Stands in for the publisher: copies the adapter that "version" maps to into ``dest_dir``."""
         fetched.append((model_id, version, url, files_sha256))
+        if down:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
         if version not in served:
             raise FileNotFoundError(f"publisher has no {model_id}@{version}")
         shutil.copytree(served[version], dest_dir, dirs_exist_ok=True)
@@ -290,6 +293,15 @@ async def test_unknown_version_is_fetched_on_demand_then_answered(harness, tiny)
     assert_matches_forward_pass(tiny, "a", body["choices"][0])
     missing = await harness.client.post("/v1/completions", json={"model": "router@8", "prompt": "x"})
     assert missing.status_code == 404 and "router@8" in missing.json()["reason"]
+
+
+@pytest.mark.parametrize("harness", [{"publisher_url": "http://publisher", "down": True}], indirect=True)
+async def test_a_version_whose_source_is_down_is_503_not_404(harness):
+    """The publisher briefly unreachable is "try again", not "no such model"."""
+    r = await harness.client.post("/v1/completions", json={"model": "router@7", "prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"] == "adapter_source_unreachable", r.json()
+    assert "router@7" in r.json()["reason"] and r.json()["type"] == "ServiceUnavailableError"
+    assert harness.fetched == [("router", 7, None, None)]
 
 
 async def test_unknown_model_without_a_source_is_404_with_reason(harness):
