@@ -26,7 +26,7 @@ from services.providers.collections import sample_queries
 from services.providers.markets import default_providers
 from services.tools.demo import DemoOptions, _demo
 from services.tools.demo_loop import MODEL_ID, held_out
-from tests.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(240)]
 

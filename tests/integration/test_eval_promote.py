@@ -33,8 +33,7 @@ from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
 from services.tools.serving import free_port, served
 from tests.eval_fakes import adi, adi_trace, episode, write_jsonl
-from tests.tiny_lm import build_lora_adapter
-from tests.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 

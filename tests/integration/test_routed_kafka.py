@@ -39,7 +39,7 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
 from tests.fakes import StaticProvider
 from tests.http_fake import InLoopServer, loopback_socket
-from tests.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 

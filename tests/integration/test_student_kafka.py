@@ -27,7 +27,7 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
 from tests.episode_fakes import verdict_for
 from tests.judge_fakes import judged_trace
-from tests.tiny_lm import build_tiny_lm
+from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 
@@ -58,7 +58,7 @@ def _direct_logprobs(base_dir, adapter_dir, ids: list[int], n_prompt: int) -> li
 async def test_episodes_to_a_served_adapter(kafka_bootstrap, redis_url, tmp_path):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"s{uuid.uuid4().hex[:8]}.")
     redis = RedisSettings(url=redis_url)
-    base = build_tiny_lm(tmp_path / "base")
+    base = build_tiny_model(tmp_path / "base")
     bus = Bus(kafka)
     await bus.start((topic("episodes"), topic("adapters")))
     try:

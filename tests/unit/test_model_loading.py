@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from services.common import hf
-from tests.tiny_lm import build_tiny_lm
+from tests.support.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_lm(tmp_path_factory.mktemp("tiny") / "model")
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def poison() -> None:

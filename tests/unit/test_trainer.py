@@ -28,7 +28,7 @@ from services.trainer.data import (
 from services.trainer.evaluate import score, tier_grades
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import plan_run, train
-from tests.tiny_model import build_tiny_model
+from tests.support.tiny_model import build_tiny_model
 
 PROVIDERS = ("alpha", "beta", "gamma")
 JUDGE = "ndcg:local-lexical-v1:d8001873"
