@@ -63,14 +63,16 @@ async def run_demo(opts: DemoOptions) -> int:
         bootstrap, redis_url, started_stack = info.bootstrap_servers, info.redis_url, True
     print(f"      Kafka at {bootstrap}, Redis at {redis_url}", flush=True)
     try:
-        return await _demo(opts, KafkaSettings(bootstrap_servers=bootstrap), redis_url)
+        return await demo_on(opts, KafkaSettings(bootstrap_servers=bootstrap), redis_url)
     finally:
         if started_stack and not opts.keep_stack:
             print(f"stopping the stack (use --keep-stack to leave it running in {DEMO_STACK})", flush=True)
             stack.down(DEMO_STACK)
 
 
-async def _demo(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
+async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:
+    """The demo against a running broker and Redis (``kafka`` carries the topic namespace, so a test
+    can run it on fresh topics)."""
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
 

@@ -24,7 +24,7 @@ from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import verdict_id
 from services.providers.collections import sample_queries
 from services.providers.markets import default_providers
-from services.tools.demo import DemoOptions, _demo
+from services.tools.demo import DemoOptions, demo_on
 from services.tools.demo_loop import MODEL_ID, held_out
 from tests.support.tiny_model import build_tiny_model
 
@@ -51,7 +51,7 @@ async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_p
 
     # The demo's own code path after its stack start-up (the session's broker and Redis stand in for it),
     # on a fresh topic namespace so every record read back below is this run's.
-    code = await _demo(DemoOptions(queries=QUERIES, out_dir=out, held_out_fraction=HELD_OUT), kafka, redis_url)
+    code = await demo_on(DemoOptions(queries=QUERIES, out_dir=out, held_out_fraction=HELD_OUT), kafka, redis_url)
     assert code == 0
 
     queries = {q.query_id for q in sample_queries(limit=QUERIES, seed=0)}
