@@ -98,7 +98,13 @@ async def test_transient_failures_are_retried_past_max_attempts_and_never_dead_l
     assert len(retries) == 6 and "retry 6" in retries[-1].getMessage()  # each retry logged
 
 
-async def test_bus_errors_in_a_handler_take_the_transient_path_too():
+@pytest.mark.parametrize(("error", "failures", "calls", "dead"), [
+    # Kafka itself failing inside a handler (e.g. its own publish): the transient path, never the DLQ
+    (BusError("publish to verdicts failed: KafkaTimeoutError"), 4, 5, []),
+    # the record's own failure: max_attempts (3) tries, then the DLQ with the reason
+    (RuntimeError("bad record"), 99, 3, [("traces", "bad record")]),
+])
+async def test_a_handler_error_is_retried_in_place_or_dead_lettered(error, failures, calls, dead):
     bus = Bus(KafkaSettings(**FAST))
     bus.dead_letter = dlq = DeadLetters()  # type: ignore[method-assign]
     n = 0
@@ -106,25 +112,11 @@ async def test_bus_errors_in_a_handler_take_the_transient_path_too():
     async def handle(t: Trace) -> None:
         nonlocal n
         n += 1
-        if n <= 4:
-            raise BusError("publish to verdicts failed: KafkaTimeoutError")
+        if n <= failures:
+            raise error
 
     await bus._handle(topic("traces"), handle, trace(), _record(), "g", 3, 0.0)
-    assert n == 5 and dlq.got == []
-
-
-async def test_handler_errors_still_go_to_the_dlq_after_max_attempts():
-    bus = Bus(KafkaSettings(**FAST))
-    bus.dead_letter = dlq = DeadLetters()  # type: ignore[method-assign]
-    n = 0
-
-    async def handle(t: Trace) -> None:
-        nonlocal n
-        n += 1
-        raise RuntimeError("bad record")
-
-    await bus._handle(topic("traces"), handle, trace(), _record(), "g", 3, 0.0)
-    assert n == 3 and [(name, str(e)) for name, e in dlq.got] == [("traces", "bad record")]
+    assert n == calls and [(name, str(e)) for name, e in dlq.got] == dead
 
 
 async def test_after_the_budget_the_record_is_left_uncommitted_not_dead_lettered(caplog):
