@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 import devstack as stack
+from tests.support.serving import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_LIBS = REPO / ".stack" / "kafka-libs"
@@ -60,12 +61,6 @@ def _docker_daemon_answers(timeout: float = 0.5) -> bool:
             return b" 200 " in sock.recv(256)
     except (OSError, ValueError):
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Services:
@@ -137,7 +132,7 @@ class _Services:
     def _start_container(self, name: str) -> str:
         from testcontainers.core.container import DockerContainer
 
-        port = _free_port()
+        port = free_port()
         if name == "redis":
             container = DockerContainer(REDIS_IMAGE).with_bind_ports(6379, port)
             container.with_command("redis-server --save '' --appendonly no")

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from tests.http_fake import LoopbackServer
+from tests.support.serving import LoopbackServer
 
 
 class AutoJudgeServer(LoopbackServer):

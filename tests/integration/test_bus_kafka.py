@@ -13,7 +13,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from schemas import Trace, topic
 from services.common.bus import Bus, dead_letter_from_record
 from services.common.settings import KafkaSettings
-from tests.factories import trace
+from tests.support.records import trace
 
 pytestmark = pytest.mark.kafka
 

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -20,7 +19,8 @@ import pytest
 from schemas import topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings
-from tests.factories import trace
+from tests.support.poll import eventually_sync
+from tests.support.records import trace
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,15 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
-
-
-def _wait_for(cond, timeout_s: float, what: str) -> None:
-    """Poll a condition on a file until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _spawn(bootstrap: str, ns: str, out: Path) -> subprocess.Popen:
@@ -57,7 +48,7 @@ async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path):
     out = tmp_path / "handled.txt"
     first = _spawn(kafka_bootstrap, ns, out)
     try:
-        _wait_for(lambda: len(_lines(out)) >= 15, 90, "the first consumer to handle 15 traces")
+        eventually_sync(lambda: len(_lines(out)) >= 15, timeout_s=90, what="the first consumer to handle 15 traces")
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
@@ -65,7 +56,7 @@ async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path):
     assert handled_before < len(sent), "the kill must land mid-stream for this test to mean anything"
     second = _spawn(kafka_bootstrap, ns, out)
     try:
-        _wait_for(lambda: set(_lines(out)) >= set(sent), 120, "the restarted consumer to finish")
+        eventually_sync(lambda: set(_lines(out)) >= set(sent), timeout_s=120, what="the restarted consumer to finish")
     finally:
         second.terminate()
         second.wait(timeout=20)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,7 +19,6 @@ import pytest
 from schemas import Episode, Task, topic
 from services.common.bus import Bus
 from services.common.dataset import dataset_as_of, write_jsonl
-from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
 from services.episodes.atif import write_atif
 from services.episodes.settings import EpisodeSettings
@@ -33,26 +31,12 @@ from services.judge.settings import JudgeSettings
 from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
-from tests.episode_fakes import verdict_for
-from tests.judge_fakes import judged_trace
+from tests.support.poll import eventually
+from tests.support.records import judged_trace, verdict_for
+from tests.support.topics import topic_records, wait_for_records
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-async def _all(kafka: KafkaSettings, name: str, model):
-    return [m async for m in read_topic(kafka, topic(name), model=model, strict=True)]
-
-
-async def _until(fn, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = await fn()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
 
 
 def _kafka(bootstrap: str) -> KafkaSettings:
@@ -81,8 +65,8 @@ async def test_gateway_judge_builder_pipeline_yields_episodes_atif_and_tasks(kaf
                                      base_url="http://gw") as client:
             for qid, q in queries.items():
                 assert (await client.post("/v1/search", json={"query": q, "query_id": qid})).status_code == 200
-        episodes = await _until(lambda: _n(kafka, "episodes", Episode, 2), 180, "two episodes")
-        tasks = await _until(lambda: _n(kafka, "tasks", Task, 2), 60, "two tasks")
+        episodes = await wait_for_records(kafka, "episodes", Episode, 2, timeout_s=180, what="two episodes")
+        tasks = await wait_for_records(kafka, "tasks", Task, 2, timeout_s=60, what="two tasks")
     finally:
         await gw.stop()
         stop.set()
@@ -100,11 +84,6 @@ async def test_gateway_judge_builder_pipeline_yields_episodes_atif_and_tasks(kaf
         assert result.source == "reward.txt" and not result.flagged
         assert result.reward == pytest.approx(ep.rewards[0].value)
         assert run_verifier(task_dir, "nonsense > answer").reward == 0.0
-
-
-async def _n(kafka, name, model, n):
-    got = await _all(kafka, name, model)
-    return got if len(got) >= n else None
 
 
 def _spawn(kafka: KafkaSettings, redis_url: str) -> subprocess.Popen:
@@ -130,30 +109,32 @@ async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_b
             await bus.publish(topic("verdicts"), verdict_for(f"t{i:03d}"))
         first = _spawn(kafka, redis_url)
         try:
-            await _until(lambda: _n(kafka, "episodes", Episode, 5), 120, "5 episodes before the kill")
+            await wait_for_records(kafka, "episodes", Episode, 5, timeout_s=120,
+                                   what="5 episodes before the kill")
         finally:
             first.send_signal(signal.SIGKILL)
             first.wait(timeout=10)
         second = _spawn(kafka, redis_url)
         try:
-            episodes = await _until(lambda: _n(kafka, "episodes", Episode, n), 180, "every episode")
-            await _until(lambda: _n(kafka, "tasks", Task, n), 60, "every task")
+            episodes = await wait_for_records(kafka, "episodes", Episode, n, timeout_s=180, what="every episode")
+            await wait_for_records(kafka, "tasks", Task, n, timeout_s=60, what="every task")
             for i in range(n):  # a replay of every verdict: nothing new may appear
                 await bus.publish(topic("verdicts"), verdict_for(f"t{i:03d}"))
             await bus.publish(topic("traces"), judged_trace("sentinel"))
             await bus.publish(topic("verdicts"), verdict_for("sentinel"))
-            await _until(lambda: _n(kafka, "episodes", Episode, n + 1), 120, "the sentinel's episode")
+            await wait_for_records(kafka, "episodes", Episode, n + 1, timeout_s=120,
+                                   what="the sentinel's episode")
         finally:
             second.terminate()
             second.wait(timeout=20)
     finally:
         await bus.stop()
-    episodes = await _all(kafka, "episodes", Episode)
+    episodes = await topic_records(kafka, "episodes", Episode)
     ids = [e.episode_id for e in episodes]
     assert len(ids) == len(set(ids)) == n + 1  # nothing lost, nothing duplicated, replay ignored
     # tasks are at least once (a kill between a task and its episode repeats that task record,
     # same content, same id): one distinct task per episode
-    tasks = await _all(kafka, "tasks", Task)
+    tasks = await topic_records(kafka, "tasks", Task)
     assert len({t.task_id for t in tasks}) == n + 1 and len(tasks) <= n + 2
 
 
@@ -161,15 +142,16 @@ async def test_dataset_as_of_is_reproducible_byte_for_byte(kafka_bootstrap, tmp_
     kafka = _kafka(kafka_bootstrap)
     bus = Bus(kafka)
     await bus.start((topic("episodes"),))
-    from tests.factories import all_examples
+    from tests.support.records import all_examples
 
     base = next(m for m in all_examples() if isinstance(m, Episode))
     try:
         for i in range(5):
             await bus.publish(topic("episodes"), base.model_copy(update={"episode_id": f"e{4 - i}"}))
         as_of = datetime.now(UTC)
-        while datetime.now(UTC).timestamp() * 1000 < as_of.timestamp() * 1000 + 2:
-            await asyncio.sleep(0.001)  # record timestamps are whole ms: the next ones must land after T
+        # record timestamps are whole ms: the next ones must land after T
+        await eventually(lambda: datetime.now(UTC).timestamp() * 1000 >= as_of.timestamp() * 1000 + 2,
+                         timeout_s=1, what="the clock to pass T by 2 ms", interval_s=0.001)
         first = write_jsonl(await dataset_as_of(kafka, as_of), tmp_path / "a.jsonl")
         extra = base.rewards[0].model_copy(update={"component_id": "c2", "name": "ndcg:other"})
         for i in range(3):  # more episodes, and a new component for an old one, after T

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from schemas import AdapterPublished, topic
 from services.cli import main
 from services.common.bus import Bus
+from services.common.dataset import write_jsonl
 from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
@@ -32,7 +33,8 @@ from services.publisher.settings import PublisherSettings
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
 from services.tools.serving import free_port, served
-from tests.eval_fakes import adi, adi_trace, episode, write_jsonl
+from tests.support.poll import eventually
+from tests.support.records import adi, adi_trace, episode
 from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
@@ -49,14 +51,15 @@ async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypat
     try:
         await bus.publish(topic("traces"), adi_trace(qids[8], trace_id="before-since"))
         since = datetime.now(UTC) + timedelta(milliseconds=2)
-        while datetime.now(UTC) < since:  # the next records' timestamps are at or after `since`
-            await asyncio.sleep(0.001)
+        # the next records' timestamps are at or after `since`
+        await eventually(lambda: datetime.now(UTC) >= since, timeout_s=1, what="the clock to reach `since`",
+                         interval_s=0.001)
         for i, q in enumerate(held + trained):
             await bus.publish(topic("traces"), adi_trace(q, flaky_error=(i == 0)))
     finally:
         await bus.stop()
-    write_jsonl(tmp_path / "train.jsonl", [episode(adi()[0][q], "cheap > good > flaky", ("good", "cheap", "flaky"),
-                                                   ep_id=f"e{q}") for q in trained])
+    write_jsonl([episode(adi()[0][q], "cheap > good > flaky", ("good", "cheap", "flaky"), ep_id=f"e{q}")
+                 for q in trained], tmp_path / "train.jsonl")
     base = build_tiny_model(tmp_path / "base")
     adapters = [build_lora_adapter(base, tmp_path / f"adapter{v}", seed=v) for v in (1, 2)]
 

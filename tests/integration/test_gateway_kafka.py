@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import uuid
 from datetime import UTC, datetime
 
 import httpx
 import pytest
-import uvicorn
 
 from services.common.settings import KafkaSettings
 from services.gateway.app import create_app
@@ -21,16 +18,11 @@ from services.providers.config import (
     SearxngConfig,
 )
 from services.tools.traces import read_traces
+from tests.support.serving import free_port, served
 from tests.unit.web_api_fakes import FakeApis, Reply, searxng_ok
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 QUERY = "the crystalline lens in vertebrates, including humans"  # MED query 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -46,7 +38,7 @@ async def test_search_lands_a_full_trace_on_kafka(kafka_bootstrap, fake_web, tmp
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"gw{uuid.uuid4().hex[:8]}.")
     cache = tmp_path_factory.mktemp("index-cache")
     settings = GatewaySettings(
-        kafka=kafka, port=_free_port(), cache_dir=cache,
+        kafka=kafka, port=free_port(), cache_dir=cache,
         providers=[
             BM25Config(name="bm25-small", collections=("adi", "med"), cost_usd=0.001,
                        latency=LatencyModel(median_ms=20, sigma=0.2)),
@@ -55,24 +47,14 @@ async def test_search_lands_a_full_trace_on_kafka(kafka_bootstrap, fake_web, tmp
             SearxngConfig(name="searxng", base_url=fake_web.base_url("searxng"), cost_usd=0.0),
             SearxngConfig(name="searxng-down", base_url="http://127.0.0.1:9/", timeout_s=2, max_retries=0),
         ])
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=settings.port,
-                                           log_level="warning"))
-    serving = asyncio.create_task(server.serve())
     since = datetime.now(UTC)
-    try:
-        async with asyncio.timeout(600):
-            while not server.started:
-                assert not serving.done(), "gateway failed to start"
-                await asyncio.sleep(0.05)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}", timeout=60) as client:
+    async with served(create_app(settings), settings.port, what="gateway", start_timeout_s=600) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             r = await client.post("/v1/search", json={"query": QUERY, "query_id": "med/1"})
         assert r.status_code == 200, r.text
         assert r.headers["X-Fanroute-Trace"] == "published"
         body = r.json()
         traces = [t async for t in read_traces(kafka, limit=1, idle_s=30, since=since)]
-    finally:
-        server.should_exit = True
-        await serving
     [t] = traces
     assert t.trace_id == body["trace_id"] and t.query == QUERY and t.query_id == "med/1"
     assert t.mode == "fanout" and t.router_version is None

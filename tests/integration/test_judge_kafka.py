@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
@@ -19,7 +18,6 @@ import pytest
 from schemas import Verdict, topic
 from schemas.topics import wire_name
 from services.common.bus import Bus
-from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
 from services.gateway.app import build_gateway, create_app
 from services.gateway.settings import GatewaySettings
@@ -30,7 +28,9 @@ from services.judge.worker import judge_key
 from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
 from tests.integration.llm_judge_fake import AutoJudgeServer
-from tests.judge_fakes import judged_trace
+from tests.support.poll import eventually
+from tests.support.records import judged_trace
+from tests.support.topics import topic_records, wait_for_records
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,19 +38,7 @@ TRACE_PROVIDERS = [BM25Config(name=n) for n in ("bm25-all", "dense-all", "eng-bm
 
 
 async def _verdicts(kafka: KafkaSettings) -> list[Verdict]:
-    return [v async for v in read_topic(kafka, topic("verdicts"), model=Verdict, strict=True)]
-
-
-async def _wait(cond, timeout_s: float, what: str, every_s: float = 0.2):
-    """Re-check an async condition until it holds (or fail after the deadline)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(every_s)
+    return await topic_records(kafka, "verdicts", Verdict)
 
 
 async def _group_caught_up(kafka: KafkaSettings, group: str) -> bool:
@@ -98,7 +86,7 @@ async def test_gateway_traces_become_verdicts(kafka_bootstrap, redis_url):
     stop = asyncio.Event()
     judging = asyncio.create_task(run_judge(settings, stop))
     try:
-        verdicts = await _wait(lambda: _all_three(kafka), 120, "three verdicts")
+        verdicts = await wait_for_records(kafka, "verdicts", Verdict, 3, timeout_s=120, what="three verdicts")
     finally:
         stop.set()
         await judging
@@ -110,11 +98,6 @@ async def test_gateway_traces_become_verdicts(kafka_bootstrap, redis_url):
         assert sorted(p for tier in v.ordering for p in tier) == ["adi-only", "bm25-small", "med-only"]
         assert {v.letters[g.letter] for g in v.grades if g.letter} == {g.provider for g in v.grades if g.letter}
         assert v.rubric_hash == build_backend(LocalJudgeConfig()).rubric and v.judge_kind == "local" and v.judge_model
-
-
-async def _all_three(kafka):
-    got = await _verdicts(kafka)
-    return got if len(got) >= 3 else None
 
 
 def _judge_env(kafka: KafkaSettings, redis_url: str, llm: AutoJudgeServer, model: str) -> dict[str, str]:
@@ -146,25 +129,29 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
             group = "judge." + judge_key(backend, backend.rubric)
             first = _spawn(env)
             try:
-                await _wait(lambda: _at_least(kafka, 8), 120, "8 verdicts before the kill")
+                await wait_for_records(kafka, "verdicts", Verdict, 8, timeout_s=120,
+                                       what="8 verdicts before the kill")
             finally:
                 first.send_signal(signal.SIGKILL)
                 first.wait(timeout=10)
             assert len(await _verdicts(kafka)) < len(traces), "the kill must land mid-stream"
             second = _spawn(env)
             try:
-                await _wait(lambda: _group_caught_up(kafka, group), 180, "the restarted judge to catch up")
+                await eventually(lambda: _group_caught_up(kafka, group), timeout_s=180,
+                                 what="the restarted judge to catch up")
                 after_restart = await _verdicts(kafka)
                 for t in traces:  # replay every trace: none may be judged again
                     await bus.publish(topic("traces"), t)
-                await _wait(lambda: _group_caught_up(kafka, group), 120, "the judge to read the replay")
+                await eventually(lambda: _group_caught_up(kafka, group), timeout_s=120,
+                                 what="the judge to read the replay")
                 after_replay = await _verdicts(kafka)
             finally:
                 second.terminate()
                 second.wait(timeout=20)
             third = _spawn(_judge_env(kafka, redis_url, llm, "judge-llm-b"))  # a different judge
             try:
-                await _wait(lambda: _at_least(kafka, 2 * len(traces)), 180, "the second judge's verdicts")
+                await wait_for_records(kafka, "verdicts", Verdict, 2 * len(traces), timeout_s=180,
+                                       what="the second judge's verdicts")
             finally:
                 third.terminate()
                 third.wait(timeout=20)
@@ -185,10 +172,6 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
     assert {g.provider: g.grade for g in v.grades} == {"bm25-all": 3, "dense-all": 1, "eng-bm25": 3,
                                                        "lib-bm25": 0}
     assert all(name not in p for p in prompts for name in ("bm25-all", "dense-all", "eng-bm25", "lib-bm25"))
-
-
-async def _at_least(kafka, n):
-    return len(await _verdicts(kafka)) >= n
 
 
 async def test_judge_that_is_a_provider_refuses_to_start():
@@ -222,7 +205,8 @@ async def test_sampling_on_the_real_topic_judges_contested_and_counts_the_rest(k
     stop = asyncio.Event()
     judging = asyncio.create_task(run_judge(settings, stop))
     try:
-        await _wait(lambda: _group_caught_up(kafka, group), 120, "the judge to read every trace")
+        await eventually(lambda: _group_caught_up(kafka, group), timeout_s=120,
+                         what="the judge to read every trace")
     finally:
         stop.set()
         await judging

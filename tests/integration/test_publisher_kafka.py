@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import uuid
 
 import pytest
 import redis.asyncio as redis
-import uvicorn
 
 from schemas import AdapterPublished, topic
 from services.common.publisher_client import PublisherClient
@@ -19,14 +17,9 @@ from services.common.settings import KafkaSettings, RedisSettings
 from services.common.stamps import parse_promoted, promoted_key, stamp_key
 from services.publisher.app import create_app
 from services.publisher.settings import PublisherSettings
+from tests.support.serving import free_port, served
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _adapter(root, tag: str):
@@ -39,42 +32,34 @@ def _adapter(root, tag: str):
 
 async def test_versions_reach_the_topic_and_move_the_redis_stamp(kafka_bootstrap, redis_url, tmp_path):
     ns = f"pub{uuid.uuid4().hex[:8]}."
-    port = _free_port()
+    port = free_port()
     settings = PublisherSettings(
         kafka=KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns),
         redis=RedisSettings(url=redis_url), port=port, public_url=f"http://127.0.0.1:{port}",
         storage_dir=tmp_path / "store", serving_ttl_s=120)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    serving = asyncio.create_task(server.serve())
     r = redis.Redis.from_url(redis_url)
     stamps = []
     try:
-        async with asyncio.timeout(60):
-            while not server.started:
-                assert not serving.done(), "publisher failed to start"
-                await asyncio.sleep(0.05)
-        with PublisherClient(settings.public_url, timeout_s=30) as client:
-            call = lambda f, *a, **kw: asyncio.to_thread(f, *a, **kw)  # noqa: E731 - sync client, our loop serves
-            stamps.append(await call(client.stamp, "router"))
-            v1 = await call(client.publish, "router", _adapter(tmp_path, "1"), "smollm2-135m", {"ndcg": 0.5})
-            stamps.append(int(await r.get(stamp_key(ns, "router"))))
-            second = _adapter(tmp_path, "2")
-            v2 = await call(client.publish, "router", second, "smollm2-135m", {"ndcg": 0.6})
-            stamps.append(int(await r.get(stamp_key(ns, "router"))))
-            again = await call(client.publish, "router", second, "smollm2-135m", {})  # same content
-            promoted = await call(client.promote, "router", 2, fallback_provider="bm25-all")
-            promoted_record = await r.get(promoted_key(ns, "router"))
-            await call(client.report_serving, "sampler-0", "router", 2)
-            pulled = await call(client.fetch_url, v2["url"], tmp_path / "pulled",
-                                expect_sha256=v2["files_sha256"])
-            final_stamp = await call(client.stamp, "router")
-        ttl_ms = await r.pttl(f"fanroute:{ns}adapter:serving:router:sampler-0")
-        records = [rec async for rec in read_topic_records(settings.kafka, topic("adapters"), model=AdapterPublished,
-                                                           strict=True)]
+        async with served(create_app(settings), port, what="publisher", start_timeout_s=60):
+            with PublisherClient(settings.public_url, timeout_s=30) as client:
+                call = lambda f, *a, **kw: asyncio.to_thread(f, *a, **kw)  # noqa: E731 - sync client, our loop serves
+                stamps.append(await call(client.stamp, "router"))
+                v1 = await call(client.publish, "router", _adapter(tmp_path, "1"), "smollm2-135m", {"ndcg": 0.5})
+                stamps.append(int(await r.get(stamp_key(ns, "router"))))
+                second = _adapter(tmp_path, "2")
+                v2 = await call(client.publish, "router", second, "smollm2-135m", {"ndcg": 0.6})
+                stamps.append(int(await r.get(stamp_key(ns, "router"))))
+                again = await call(client.publish, "router", second, "smollm2-135m", {})  # same content
+                promoted = await call(client.promote, "router", 2, fallback_provider="bm25-all")
+                promoted_record = await r.get(promoted_key(ns, "router"))
+                await call(client.report_serving, "sampler-0", "router", 2)
+                pulled = await call(client.fetch_url, v2["url"], tmp_path / "pulled",
+                                    expect_sha256=v2["files_sha256"])
+                final_stamp = await call(client.stamp, "router")
+            ttl_ms = await r.pttl(f"fanroute:{ns}adapter:serving:router:sampler-0")
+            records = [rec async for rec in read_topic_records(settings.kafka, topic("adapters"),
+                                                               model=AdapterPublished, strict=True)]
     finally:
-        server.should_exit = True
-        await serving
         await r.aclose()
 
     assert stamps == [0, 1, 2] and final_stamp == 2

@@ -11,6 +11,7 @@ episodes that all give one ordering, so its greedy answer names that ordering: v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from datetime import UTC, datetime
@@ -37,8 +38,8 @@ from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
-from tests.fakes import StaticProvider
-from tests.http_fake import InLoopServer, loopback_socket
+from tests.support.fakes import StaticProvider
+from tests.support.serving import free_port, served
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
@@ -100,22 +101,25 @@ async def test_routed_mode_end_to_end(kafka_bootstrap, redis_url, tmp_path, capl
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"rt{uuid.uuid4().hex[:8]}.")
     redis = RedisSettings(url=redis_url)
     base = await asyncio.to_thread(build_tiny_model, tmp_path / "base")
-    pub_sock = loopback_socket()
-    pub_url = f"http://127.0.0.1:{pub_sock.getsockname()[1]}"
-    publisher = InLoopServer(publisher_app(PublisherSettings(
-        kafka=kafka, redis=redis, storage_dir=tmp_path / "store", public_url=pub_url)), pub_sock)
-    sampler = InLoopServer(sampler_app(SamplerSettings(
-        kafka=kafka, redis=redis, base_model=str(base), adapter_cache_dir=tmp_path / "cache",
-        publisher_url=pub_url, group_id=f"sampler-{uuid.uuid4().hex[:8]}")))
+    pport, sport = free_port(), free_port()
+    pub_url, router_url = f"http://127.0.0.1:{pport}", f"http://127.0.0.1:{sport}"
+    publisher = served(publisher_app(PublisherSettings(
+        kafka=kafka, redis=redis, storage_dir=tmp_path / "store", public_url=pub_url)), pport,
+        what="publisher", start_timeout_s=120)
+    sampler = contextlib.AsyncExitStack()  # the sampler is stopped halfway through
     settings = GatewaySettings(kafka=kafka, redis=redis, providers=[BM25Config(name=n) for n in PROVIDERS],
                                deadline_s=30.0, routing={
-                                   "enabled": True, "router_url": sampler.url, "fanout_fraction": SLICE,
+                                   "enabled": True, "router_url": router_url, "fanout_fraction": SLICE,
                                    "router_timeout_s": 15.0, "poll_s": 300.0,  # v2 must come from the topic
                                    "group_id": f"gateway-{uuid.uuid4().hex[:8]}"})
     providers = [StaticProvider(n, (f"https://{n}.example/1", f"https://{n}.example/2")) for n in PROVIDERS]
     answers: dict[str, dict] = {}
 
     async with publisher, sampler:
+        await sampler.enter_async_context(served(sampler_app(SamplerSettings(
+            kafka=kafka, redis=redis, base_model=str(base), adapter_cache_dir=tmp_path / "cache",
+            publisher_url=pub_url, group_id=f"sampler-{uuid.uuid4().hex[:8]}")), sport, what="sampler",
+            start_timeout_s=120))
         v1 = await asyncio.to_thread(train_and_publish, base, tmp_path / "v1", ORDERINGS[1], pub_url)
         await promote(pub_url, v1)
         gw = build_gateway(settings, providers=providers)
@@ -148,7 +152,7 @@ async def test_routed_mode_end_to_end(kafka_bootstrap, redis_url, tmp_path, capl
                 assert body["route"]["called"] == ["gamma"]
 
             # the sampler goes away: the best single provider answers, counted by reason
-            await sampler.stop()
+            await sampler.aclose()
             down = [await search(client, rid, i) for i, rid in enumerate(request_ids(False, 2, "c"))]
             for body in down:
                 assert body["mode"] == "routed" and body["route"]["router"] == "router@2"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 from datetime import UTC, datetime
 
@@ -25,20 +24,11 @@ from services.sampler.settings import SamplerSettings
 from services.tools.serving import free_port, served
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
-from tests.episode_fakes import verdict_for
-from tests.judge_fakes import judged_trace
+from tests.support.poll import eventually
+from tests.support.records import judged_trace, verdict_for
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
-
-
-async def _until(fn, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (got := await fn()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.2)
-    return got
 
 
 def _direct_logprobs(base_dir, adapter_dir, ids: list[int], n_prompt: int) -> list[float]:
@@ -89,7 +79,7 @@ async def test_episodes_to_a_served_adapter(kafka_bootstrap, redis_url, tmp_path
             async def loaded():
                 ids = {m["id"] for m in (await client.get("/v1/models")).json()["data"]}
                 return "router@1" in ids
-            await _until(loaded, 120, "the sampler to pull and load router@1")
+            await eventually(loaded, timeout_s=120, what="the sampler to pull and load router@1")
             r = await client.post("/v1/completions", json={
                 "model": "router@1", "prompt": "which provider for boundary layers?", "max_tokens": 6,
                 "temperature": 0, "logprobs": 1, "return_token_ids": True})

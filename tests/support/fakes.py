@@ -1,4 +1,4 @@
-"""Fake providers for fast unit tests of the fan-out (the real ones are tested on their own)."""
+"""Fake providers and a scripted judge backend for fast unit tests (the real ones are tested on their own)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,13 @@ import asyncio
 
 from schemas.trace import Citation
 from services.common.errors import ProviderError
+from services.judge.base import (
+    JudgeBackend,
+    JudgeFailed,
+    JudgeIdentity,
+    JudgeRequest,
+    JudgeResult,
+)
 from services.providers.base import Provider, ProviderAnswer, build_answer
 
 
@@ -41,3 +48,21 @@ class StaticProvider(Provider):
 
 def failing(name: str, message: str = "upstream exploded") -> StaticProvider:
     return StaticProvider(name, error=ProviderError(name, message))
+
+
+class KeywordJudge(JudgeBackend):
+    """Grades 3 when an answer mentions 'excellent', 1 when 'meh', else 0; records every request."""
+
+    def __init__(self, model: str = "keyword-judge", fail: bool = False) -> None:
+        self.identity = JudgeIdentity(kind="test", model=model)
+        self.requests: list[JudgeRequest] = []
+        self.fail = fail
+
+    async def judge(self, request: JudgeRequest) -> JudgeResult:
+        self.requests.append(request)
+        if self.fail:
+            raise JudgeFailed("backend said no three times: 500, 500, unparseable")
+        grades = {c.letter: 3 if "excellent" in c.answer else 1 if "meh" in c.answer else 0
+                  for c in request.candidates}
+        tiers = [tuple(L for L in request.letters if grades[L] == g) for g in (3, 2, 1, 0)]
+        return JudgeResult(grades, tuple(t for t in tiers if t))

@@ -1,9 +1,6 @@
-"""Real HTTP servers on loopback for tests: a uvicorn thread, one that answers from a script, and a
-uvicorn task in the test's own event loop (for services that share the loop with the test); the
-pytest fixtures of a scripted server, and :func:`started` for the clients under test.
-
-The listening socket is bound before uvicorn starts, so connections simply queue until uvicorn
-accepts them (after the app's lifespan start-up): no start-up wait, no sleep.
+"""Fake HTTP servers on loopback for tests (uvicorn threads, see :mod:`tests.support.serving`): one that
+answers from a script and records every request, with its pytest fixtures; a fake OpenAI-compatible
+router; and :func:`started` for the clients under test.
 """
 
 from __future__ import annotations
@@ -11,86 +8,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-
-def loopback_socket() -> socket.socket:
-    """A listening TCP socket on 127.0.0.1:<free port> (``getsockname()[1]`` is the port)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(64)
-    return sock
-
-
-class LoopbackServer:
-    """A Starlette app served by uvicorn in a background thread on 127.0.0.1:<free port>."""
-
-    def __init__(self, app: Starlette, name: str = "fake-http") -> None:
-        self._sock = loopback_socket()
-        self.port: int = self._sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name=name, daemon=True)
-
-    def url(self, prefix: str = "") -> str:
-        return f"http://127.0.0.1:{self.port}/{prefix}"
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class InLoopServer:
-    """An ASGI app served by uvicorn as a task of the running loop, on a socket bound beforehand;
-    ``async with`` it, or :meth:`stop` it early (then connections to it are refused)."""
-
-    def __init__(self, app: Any, sock: socket.socket | None = None) -> None:
-        self.sock = sock or loopback_socket()
-        self.port: int = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> InLoopServer:
-        self._task = asyncio.create_task(self._server.serve(sockets=[self.sock]), name=f"serve:{self.port}")
-        return self
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._server.should_exit = True
-            task, self._task = self._task, None
-            try:
-                await task
-            finally:
-                self.sock.close()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
+from tests.support.serving import LoopbackServer
 
 
 @dataclass
@@ -207,3 +137,30 @@ def chat_completion(content: str | None, model: str = "router@1") -> Reply:
                        "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
                                     "message": {"role": "assistant", "content": content}}],
                        "usage": {"prompt_tokens": 120, "completion_tokens": 9, "total_tokens": 129}})
+
+
+Answer = Callable[[str, str], str | None]
+
+
+def router_app(answer: Answer, models: Sequence[str]) -> Starlette:
+    """``POST /v1/chat/completions``: ``answer(model, query)`` as the content; 404 for other models;
+    an ``answer`` of None is a 500."""
+
+    async def chat(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        model = body["model"]
+        if model not in models:
+            return JSONResponse({"error": "model_not_found", "reason": f"The model `{model}` does not exist.",
+                                 "object": "error", "message": f"The model `{model}` does not exist."}, 404)
+        query = next(m["content"] for m in body["messages"] if m["role"] == "user")
+        text = answer(model, query)
+        if text is None:
+            return JSONResponse({"error": "internal", "reason": "boom"}, 500)
+        return JSONResponse({"id": "c", "object": "chat.completion", "model": model, "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}]})
+
+    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+def router_server(answer: Answer, models: Sequence[str]) -> LoopbackServer:
+    return LoopbackServer(router_app(answer, models), name="fake-router")

@@ -44,7 +44,7 @@ from services.providers.collections import (
     load_corpus,
     load_qrels,
 )
-from tests.factories import NOW, candidate, signals
+from tests.support.records import NOW, candidate, signals
 
 # --------------------------------------------------------------------------- tau-b
 

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import uvicorn
 
 from services.cli import main
 from services.common.errors import ConfigError
@@ -25,7 +22,8 @@ from services.providers.collections import (
 from services.providers.config import BM25Config
 from services.providers.markets import load_providers_file
 from services.tools.replay import replay
-from tests.fakes import StaticProvider
+from tests.support.fakes import StaticProvider
+from tests.support.serving import free_port, served
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,24 +82,13 @@ def test_sample_queries_only_judged_and_deterministic():
 
 
 async def test_replay_against_a_running_gateway():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     settings = GatewaySettings(kafka=KafkaSettings(bootstrap_servers="memory://"), port=port,
                                providers=[BM25Config(name="unused")])
     gw = build_gateway(settings, providers=[StaticProvider("a", ("u1",)), StaticProvider("b", ("u2",))])
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, gateway=gw), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    serving = asyncio.create_task(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:
-                await asyncio.sleep(0.02)
+    async with served(create_app(settings, gateway=gw), port, what="gateway", start_timeout_s=30) as url:
         queries = sample_queries(("adi",), limit=6)
-        summary = await replay(f"http://127.0.0.1:{port}", queries, rate=200, concurrency=3, progress=False)
-    finally:
-        server.should_exit = True
-        await serving
+        summary = await replay(url, queries, rate=200, concurrency=3, progress=False)
     assert (summary.requests, summary.ok, summary.errors, summary.traces_unpublished) == (6, 6, {}, 0)
     assert summary.contested == 6  # disjoint citations: overlap 0
     assert sorted(c for p in gw.providers for c in p.calls) == sorted(2 * [q.text for q in queries])

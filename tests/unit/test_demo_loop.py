@@ -7,7 +7,7 @@ import json
 from schemas.trace import Route
 from services.cli import main
 from services.tools.demo_loop import held_out, render_routed, split
-from tests.eval_fakes import adi, adi_trace, episode, make_trace
+from tests.support.records import adi, adi_trace, episode, trace
 
 
 def test_held_out_is_deterministic_and_about_the_fraction():
@@ -35,7 +35,7 @@ def test_render_routed_separates_slice_router_and_fallbacks():
     qid = sorted(adi()[0], key=int)[0]
     fan = adi_trace(qid)
     good, cheap = fan.candidates[0], fan.candidates[1]
-    routed = make_trace("r1", [good], query=fan.query, query_id=fan.query_id, mode="routed")
+    routed = trace("r1", [good], query=fan.query, query_id=fan.query_id, mode="routed")
     fallback = routed.model_copy(update={
         "trace_id": "r2", "router_version": None, "candidates": (cheap,),
         "route": Route(called=("cheap",), fallback="no_adapter", fallback_provider="cheap")})

@@ -13,7 +13,7 @@ from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.verdict import CandidateGrade, Verdict
 from services.episodes.atif import ATIF_VERSION, episode_to_atif, write_atif
 from services.episodes.build import build_episode
-from tests.factories import NOW, trace
+from tests.support.records import NOW, trace
 
 
 def _episode() -> Episode:

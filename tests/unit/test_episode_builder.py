@@ -13,8 +13,7 @@ from services.common.settings import KafkaSettings
 from services.episodes.build import episode_id
 from services.episodes.state import MemoryJoinStore
 from services.episodes.worker import EpisodeBuilder
-from tests.episode_fakes import verdict_for
-from tests.judge_fakes import judged_trace
+from tests.support.records import judged_trace, verdict_for
 
 
 @pytest.fixture

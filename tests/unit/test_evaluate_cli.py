@@ -8,15 +8,9 @@ import json
 import pytest
 
 from services.cli import main
-from tests.eval_fakes import (
-    adi,
-    adi_trace,
-    cand,
-    episode,
-    make_trace,
-    router_server,
-    write_jsonl,
-)
+from services.common.dataset import write_jsonl
+from tests.support.http_fake import router_server
+from tests.support.records import adi, adi_trace, candidate, episode, trace
 
 PROVIDERS = ("good", "cheap", "flaky")
 
@@ -37,11 +31,11 @@ def inputs(tmp_path):
     held, trained = qids[:6], qids[6:8]
     traces = [adi_trace(q, flaky_error=(i == 0)) for i, q in enumerate(held)]
     traces += [adi_trace(q) for q in trained]  # queries the student trained on: excluded
-    traces.append(make_trace("routed-1", [cand("good")], mode="routed"))  # not a fan-out trace
+    traces.append(trace("routed-1", [candidate("good")], mode="routed"))  # not a fan-out trace
     queries = adi()[0]
     eps = [episode(queries[q], "cheap > good > flaky", PROVIDERS, ep_id=f"e{q}") for q in trained]
-    write_jsonl(tmp_path / "traces.jsonl", traces)
-    write_jsonl(tmp_path / "train.jsonl", eps)
+    write_jsonl(traces, tmp_path / "traces.jsonl")
+    write_jsonl(eps, tmp_path / "train.jsonl")
     return tmp_path
 
 
@@ -126,6 +120,6 @@ def test_other_bad_input(inputs, router, capsys):
                               "--since", "2026-01-01T00:00:00Z"), "--since/--until")
     _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none",
                               "--max-attempts", "0"), "max_attempts")
-    write_jsonl(inputs / "traces.jsonl", [make_trace("r", [cand("good")], mode="routed")])
+    write_jsonl([trace("r", [candidate("good")], mode="routed")], inputs / "traces.jsonl")
     _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none"),
            "no held-out fan-out trace", "not_fanout")

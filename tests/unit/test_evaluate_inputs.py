@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.dataset import write_jsonl
 from services.evaluate.baseline import NoBaseline, choose_best_single
 from services.evaluate.inputs import EvalInputError, held_out, load_traces_file
-from tests.eval_fakes import cand, episode, make_trace, write_jsonl
+from tests.support.records import candidate, episode, trace
 
 P = ("a", "b", "c")
 
@@ -40,11 +41,11 @@ def test_best_single_skips_unreadable_orderings_and_counts_them():
 
 def test_held_out_excludes_trained_queries_routed_traces_and_duplicates():
     eps = [episode("What is  a Cell", "a > b", P)]
-    traces = [make_trace("t1", [cand("a")], query="what is a cell"),  # same query, normalised
-              make_trace("t2", [cand("a")], query="boundary layers"),
-              make_trace("t2", [cand("a")], query="boundary layers"),  # replayed record
-              make_trace("t3", [cand("a")], query="x", mode="routed"),
-              make_trace("t4", [cand("b")], query="y")]
+    traces = [trace("t1", [candidate("a")], query="what is a cell"),  # same query, normalised
+              trace("t2", [candidate("a")], query="boundary layers"),
+              trace("t2", [candidate("a")], query="boundary layers"),  # replayed record
+              trace("t3", [candidate("a")], query="x", mode="routed"),
+              trace("t4", [candidate("b")], query="y")]
     h = held_out(traces, eps, require="a")
     assert [t.trace_id for t in h.traces] == ["t2"]
     assert h.read == 5
@@ -53,7 +54,7 @@ def test_held_out_excludes_trained_queries_routed_traces_and_duplicates():
 
 def test_traces_file_errors_name_the_file_and_line(tmp_path):
     good = tmp_path / "t.jsonl"
-    write_jsonl(good, [make_trace("t1", [cand("a")]), make_trace("t2", [cand("a")])])
+    write_jsonl([trace("t1", [candidate("a")]), trace("t2", [candidate("a")])], good)
     assert [t.trace_id for t in load_traces_file(good)] == ["t1", "t2"]
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(good.read_bytes() + b"\n{\"trace_id\": 1}\n")

@@ -8,13 +8,13 @@ import pytest
 from services.evaluate import policies as pol
 from services.evaluate.metrics import gain_share, paired, policy_metrics, summarise
 from services.evaluate.policies import FUSED, Outcome, QueryScores, RouterCall
-from tests.eval_fakes import cand, make_trace
+from tests.support.records import candidate, trace
 
 
 def _q(*, b_fails: bool = False, human=True, judge=True) -> QueryScores:
-    t = make_trace("t", [cand("a", cost=0.001, latency=10), cand("b", cost=0.004, latency=40,
+    t = trace("t", [candidate("a", cost=0.001, latency=10), candidate("b", cost=0.004, latency=40,
                                                                error="down" if b_fails else None),
-                         cand("c", cost=0.002, latency=20)])
+                         candidate("c", cost=0.002, latency=20)])
     h = {"a": 0.2, "b": 0.0 if b_fails else 0.9, "c": 0.5, FUSED: 0.6} if human else None
     j = {"a": 1, "b": 0 if b_fails else 3, "c": 2, FUSED: 2} if judge else None
     return QueryScores(t, h, j)
@@ -54,7 +54,7 @@ def test_router_failure_falls_back_to_best_single_and_is_counted(kind):
 
 
 def test_best_single_has_the_same_failover():
-    t = make_trace("t", [cand("a", error="x"), cand("b")])
+    t = trace("t", [candidate("a", error="x"), candidate("b")])
     o = pol.single(QueryScores(t, {"a": 0.0, "b": 0.4}, None), "a", 2)
     assert o.called == ("a", "b") and o.returned == "b" and o.human == 0.4 and o.judge is None
 
@@ -73,7 +73,7 @@ def test_fanout_returns_the_fused_list_costs_the_sum_and_waits_for_the_slowest()
     o = pol.fanout(_q())
     assert (o.returned, o.human, o.judge, o.called) == (FUSED, 0.6, 2, ("a", "b", "c"))
     assert o.cost_usd == pytest.approx(0.007) and o.latency_ms == 40
-    dead = QueryScores(make_trace("t", [cand("a", error="x"), cand("b", error="y")]), {"a": 0, "b": 0}, None)
+    dead = QueryScores(trace("t", [candidate("a", error="x"), candidate("b", error="y")]), {"a": 0, "b": 0}, None)
     assert pol.fanout(dead).returned is None and pol.fanout(dead).human == 0.0
 
 

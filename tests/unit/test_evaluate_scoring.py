@@ -15,26 +15,27 @@ from services.evaluate.scoring import (
 )
 from services.judge.backends.local import LocalJudge
 from services.judge.calibration.human import QrelsStore
-from tests.eval_fakes import adi, adi_trace, cand, make_trace
-from tests.judge_fakes import KeywordJudge
+from tests.support.fakes import KeywordJudge
+from tests.support.records import adi, adi_trace, candidate, trace
 
 Q = "boundary layer transition swept wings"
-GOOD = cand("good", ["u1", "u2"], texts=[("boundary layer transition", "on swept wings at speed"), ("transition", "")])
-OTHER = cand("other", ["u3"], texts=[("boundary layer", "boundary layer theory")])
-THIRD = cand("third", ["u4", "u5"], texts=[("boundary layer transition", "x"), ("swept wings", "y")])
+GOOD = candidate("good", ["u1", "u2"],
+                 texts=[("boundary layer transition", "on swept wings at speed"), ("transition", "")])
+OTHER = candidate("other", ["u3"], texts=[("boundary layer", "boundary layer theory")])
+THIRD = candidate("third", ["u4", "u5"], texts=[("boundary layer transition", "x"), ("swept wings", "y")])
 
 
 async def test_local_judge_grades_depend_on_the_other_candidates():
     """IDF is estimated over the request's own sources: adding an answer can move another's grade."""
     judge = LocalJudge()
-    alone = await judge_grades(judge, make_trace("t", [GOOD, OTHER], query=Q))
-    with_third = await judge_grades(judge, make_trace("t", [GOOD, OTHER, THIRD], query=Q))
+    alone = await judge_grades(judge, trace("t", [GOOD, OTHER], query=Q))
+    with_third = await judge_grades(judge, trace("t", [GOOD, OTHER, THIRD], query=Q))
     assert alone["other"] != with_third["other"]
 
 
 async def test_the_fused_list_is_graded_blind_beside_the_providers():
     judge = KeywordJudge()
-    t = make_trace("t", [cand("a"), cand("b", error="down")])
+    t = trace("t", [candidate("a"), candidate("b", error="down")])
     grades = await judge_grades(judge, t)
     assert set(grades) == {"a", "b", FUSED} and grades["b"] == 0  # failed: 0 by rule, not shown
     shown = judge.requests[0]
@@ -43,18 +44,18 @@ async def test_the_fused_list_is_graded_blind_beside_the_providers():
 
 
 async def test_judge_failure_is_none_and_not_a_grade():
-    t = make_trace("t", [cand("a")])
+    t = trace("t", [candidate("a")])
     assert await judge_grades(KeywordJudge(fail=True), t) is None
     assert await judge_all(KeywordJudge(fail=True), [t], progress=False) == {"t": None}
 
 
 def test_fused_candidate_is_the_rrf_list_and_empty_when_nobody_answered():
-    t = make_trace("t", [cand("a", ["u1", "u2"]), cand("b", ["u2", "u3"])])
+    t = trace("t", [candidate("a", ["u1", "u2"]), candidate("b", ["u2", "u3"])])
     f = fused_candidate(t)
     assert f.provider == FUSED and [c.url for c in f.citations][0] == "u2" and f.answer
-    assert not fused_candidate(make_trace("t", [cand("a", error="x")])).ok
+    assert not fused_candidate(trace("t", [candidate("a", error="x")])).ok
     with pytest.raises(ValueError, match=FUSED):
-        with_fused(make_trace("t", [cand(FUSED)]))
+        with_fused(trace("t", [candidate(FUSED)]))
 
 
 def test_human_scores_use_the_collection_qrels_and_skip_queries_without():
@@ -62,5 +63,5 @@ def test_human_scores_use_the_collection_qrels_and_skip_queries_without():
     scores = human_scores(adi_trace(qid), QrelsStore())
     assert scores["good"] == pytest.approx(1.0) and scores["cheap"] == 0.0
     assert 0.0 < scores[FUSED] < 1.0
-    assert human_scores(make_trace("t", [cand("a")], query_id="web/1"), QrelsStore()) is None
-    assert human_scores(make_trace("t", [cand("a")]), QrelsStore()) is None
+    assert human_scores(trace("t", [candidate("a")], query_id="web/1"), QrelsStore()) is None
+    assert human_scores(trace("t", [candidate("a")]), QrelsStore()) is None

@@ -7,15 +7,16 @@ import time
 
 from services.common.errors import ProviderRateLimited
 from services.providers.fanout import fan_out
-from tests.fakes import StaticProvider, failing
+from tests.support.fakes import StaticProvider, failing
+from tests.support.poll import eventually
 
 
 async def test_all_providers_called_concurrently_in_config_order():
     gate = asyncio.Event()
     ps = [StaticProvider(f"p{i}", (f"u{i}",), gate=gate) for i in range(4)]
     task = asyncio.create_task(fan_out(ps, "q", deadline_s=5))
-    while not all(p.calls for p in ps):  # every provider has been entered before any answered
-        await asyncio.sleep(0)
+    await eventually(lambda: all(p.calls for p in ps), timeout_s=5, interval_s=0,
+                     what="every provider entered before any answered")
     gate.set()
     out = await asyncio.wait_for(task, 5)
     assert [c.provider for c in out] == ["p0", "p1", "p2", "p3"]

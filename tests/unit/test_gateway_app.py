@@ -14,7 +14,7 @@ from services.common.settings import KafkaSettings
 from services.gateway.app import build_gateway, create_app
 from services.gateway.settings import GatewaySettings
 from services.providers.config import BM25Config
-from tests.fakes import StaticProvider, failing
+from tests.support.fakes import StaticProvider, failing
 
 
 def _settings(**kw) -> GatewaySettings:

@@ -22,8 +22,8 @@ from services.providers.base import Provider
 from services.providers.config import BM25Config
 from services.router.client import RouterClient
 from services.router.policy import in_fanout_slice
-from tests.fakes import StaticProvider, failing
-from tests.http_fake import Reply, ScriptedServer, chat_completion
+from tests.support.fakes import StaticProvider, failing
+from tests.support.http_fake import Reply, ScriptedServer, chat_completion
 
 CHAT = "/v1/chat/completions"
 

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import Episode, topic
+from schemas import topic
 from schemas.trace import Trace
-from services.common.bus import Bus
 from services.common.idempotency import MemoryKeyStore
-from services.common.settings import KafkaSettings
 from services.episodes.state import MemoryJoinStore
 from services.episodes.worker import EpisodeBuilder
 from services.judge.sampling import sample_reason
-from tests.episode_fakes import verdict_for
-from tests.judge_fakes import judged_trace
+from tests.support.bus import collecting
+from tests.support.records import judged_trace, verdict_for
 
 
 def routed_trace(trace_id: str, *, contested: bool = True) -> Trace:
@@ -27,17 +25,9 @@ def routed_trace(trace_id: str, *, contested: bool = True) -> Trace:
 
 @pytest.fixture
 async def builder():
-    bus = Bus(KafkaSettings(bootstrap_servers="memory://"))
-    episodes: list[Episode] = []
-
-    async def on_ep(e: Episode) -> None:
-        episodes.append(e)
-
-    bus.subscribe(topic("episodes"), on_ep, group_id="t")
-    await bus.start()
-    state = MemoryJoinStore()
-    yield EpisodeBuilder(bus, state, MemoryKeyStore()), state, episodes
-    await bus.stop()
+    async with collecting(topic("episodes")) as (bus, episodes):
+        state = MemoryJoinStore()
+        yield EpisodeBuilder(bus, state, MemoryKeyStore()), state, episodes
 
 
 def skipped(b: EpisodeBuilder, record: str) -> float:

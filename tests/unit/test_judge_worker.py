@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import Verdict, topic
-from services.common.bus import Bus
+from schemas import topic
 from services.common.errors import ConfigError
 from services.common.idempotency import MemoryKeyStore
-from services.common.settings import KafkaSettings
 from services.judge.base import JudgeIdentity
 from services.judge.blind import blind, shuffle_seed
 from services.judge.guard import check_not_a_provider, guard
@@ -18,23 +16,17 @@ from services.judge.settings import JudgeSettings
 from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import JudgeWorker, verdict_id
 from services.providers.config import BM25Config, DenseConfig, SearxngConfig
-from tests.judge_fakes import KeywordJudge, judged_trace
+from tests.support.bus import collecting
+from tests.support.fakes import KeywordJudge
+from tests.support.records import judged_trace
 
 PROVIDERS = ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")
 
 
 @pytest.fixture
 async def harness():
-    bus = Bus(KafkaSettings(bootstrap_servers="memory://"))
-    got: list[Verdict] = []
-
-    async def collect(v: Verdict) -> None:
-        got.append(v)
-
-    bus.subscribe(topic("verdicts"), collect, group_id="test")
-    await bus.start()
-    yield bus, got
-    await bus.stop()
+    async with collecting(topic("verdicts")) as (bus, got):
+        yield bus, got
 
 
 def test_blind_relabels_shuffles_deterministically_and_leaks_no_provider():

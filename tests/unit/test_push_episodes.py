@@ -13,8 +13,8 @@ from services.common.settings import KafkaSettings
 from services.gateway.app import build_gateway, create_app
 from services.gateway.settings import GatewaySettings
 from services.providers.config import BM25Config
-from tests.factories import all_examples
-from tests.fakes import StaticProvider
+from tests.support.fakes import StaticProvider
+from tests.support.records import all_examples
 
 EPISODE = next(m for m in all_examples() if isinstance(m, Episode))
 

@@ -18,8 +18,7 @@ from services.common.ndcg import parse_ordering, tie_aware_ndcg
 from services.episodes.build import build_episode
 from services.episodes.tasks import build_task, write_task
 from services.episodes.verifier import run_verifier
-from tests.factories import NOW
-from tests.judge_fakes import judged_trace
+from tests.support.records import NOW, judged_trace
 
 NDCG_SOURCE = Path(__file__).resolve().parents[2] / "services" / "common" / "ndcg.py"
 # judged_trace(): bm25-all and eng-bm25 "excellent", dense-all "meh", lib-bm25 timed out.

@@ -7,7 +7,7 @@ import pytest
 from schemas import Trace
 from services.providers.collections import default_collections_dir, load_qrels
 from services.tools.report import render, score_traces, write_report
-from tests.factories import NOW, candidate, signals
+from tests.support.records import NOW, candidate, signals
 
 
 def _trace(qid: str, cands) -> Trace:

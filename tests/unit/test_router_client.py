@@ -14,7 +14,7 @@ from services.router.client import (
     RouterTimeout,
     RouterUnparseable,
 )
-from tests.http_fake import Reply, ScriptedServer, chat_completion
+from tests.support.http_fake import Reply, ScriptedServer, chat_completion
 
 PROVIDERS = ("bm25-all", "dense-all", "bio-dense")
 PATH = "/v1/chat/completions"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import shutil
 from datetime import UTC, datetime
@@ -19,6 +18,7 @@ from services.sampler.engine import Engine
 from services.sampler.registry import AdapterUnavailable
 from services.sampler.serving import Sampler
 from services.sampler.settings import SamplerSettings
+from tests.support.poll import eventually
 from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 
 TOL = 1e-4
@@ -325,10 +325,9 @@ async def test_hash_mismatch_is_refused_and_names_the_file(harness, tiny):
 @pytest.mark.parametrize("harness", [{"consume_adapters": True}], indirect=True)
 async def test_adapters_topic_drives_the_worker(harness, tiny):
     await harness.sampler.bus.publish(topic("adapters"), announcement(tiny, 2, "b"))
-    for _ in range(200):  # the in-memory broker delivers on publish; allow a slow handoff anyway
-        if harness.sampler.registry.alias_target("router") == "router@2":
-            break
-        await asyncio.sleep(0.01)
+    # the in-memory broker delivers on publish; allow a slow handoff anyway
+    await eventually(lambda: harness.sampler.registry.alias_target("router") == "router@2", timeout_s=2,
+                     interval_s=0.01, what="the worker to serve router@2 from the topic")
     assert harness.sampler.registry.alias_target("router") == "router@2"
 
 

@@ -9,7 +9,7 @@ import pytest
 from schemas import TOPICS, Trace, decode, topic
 from schemas.dead_letter import DeadLetter
 from services.common.errors import SchemaError, UnknownSchemaVersion
-from tests.factories import all_examples, trace
+from tests.support.records import all_examples, trace
 
 
 @pytest.mark.parametrize("msg", all_examples(), ids=lambda m: type(m).__name__)

@@ -7,7 +7,7 @@ import pytest
 from schemas.trace import Candidate
 from services.providers.fusion import rrf
 from services.providers.signals import compute_signals, jaccard
-from tests.factories import candidate
+from tests.support.records import candidate
 
 
 def test_jaccard():

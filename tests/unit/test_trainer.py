@@ -396,8 +396,7 @@ def test_trainer_publishes_through_the_real_publisher_client(make_settings, tmp_
 def test_default_reward_is_the_primary_one_not_the_first_by_name():
     from services.episodes.build import build_episode, ndcg_component
     from services.trainer.data import episode_judge, reward_of
-    from tests.episode_fakes import verdict_for
-    from tests.judge_fakes import judged_trace
+    from tests.support.records import judged_trace, verdict_for
 
     t = judged_trace("p1")
     first = verdict_for("p1", model="zeta-judge")

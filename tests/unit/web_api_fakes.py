@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from services.providers import config as c
 from services.providers import web, web_base
-from tests.http_fake import Reply, ScriptedServer
+from tests.support.http_fake import Reply, ScriptedServer
 
 __all__ = ["FakeApis", "Reply"]
 
