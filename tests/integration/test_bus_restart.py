@@ -7,10 +7,6 @@ ids (trace_id here), so the set of results is exactly the set sent.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import uuid
 from pathlib import Path
 
@@ -20,19 +16,18 @@ from schemas import topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings
 from tests.support.poll import eventually_sync
+from tests.support.processes import running
 from tests.support.records import trace
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _lines(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def _spawn(bootstrap: str, ns: str, out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "tests/integration/consumer_proc.py"), bootstrap,
-                             ns, str(out), "restart-group"], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def _consumer(bootstrap: str, ns: str, out: Path, *, crash: bool = False):
+    return running("tests/integration/consumer_proc.py", bootstrap, ns, str(out), "restart-group", crash=crash)
 
 
 async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path):
@@ -46,20 +41,12 @@ async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path):
     finally:
         await bus.stop()
     out = tmp_path / "handled.txt"
-    first = _spawn(kafka_bootstrap, ns, out)
-    try:
+    with _consumer(kafka_bootstrap, ns, out, crash=True):
         eventually_sync(lambda: len(_lines(out)) >= 15, timeout_s=90, what="the first consumer to handle 15 traces")
-    finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait(timeout=10)
     handled_before = len(_lines(out))
     assert handled_before < len(sent), "the kill must land mid-stream for this test to mean anything"
-    second = _spawn(kafka_bootstrap, ns, out)
-    try:
+    with _consumer(kafka_bootstrap, ns, out):
         eventually_sync(lambda: set(_lines(out)) >= set(sent), timeout_s=120, what="the restarted consumer to finish")
-    finally:
-        second.terminate()
-        second.wait(timeout=20)
     handled = _lines(out)
     assert set(handled) == set(sent)  # nothing lost
     assert len(handled) - len(sent) <= 2, f"{len(handled) - len(sent)} redeliveries"  # at most in-flight ones

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import uuid
 from datetime import UTC, datetime
-from pathlib import Path
 
 import httpx
 import pytest
@@ -32,11 +27,11 @@ from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
 from tests.support.poll import eventually
+from tests.support.processes import running, service_env
 from tests.support.records import judged_trace, verdict_for
 from tests.support.topics import topic_records, wait_for_records
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kafka(bootstrap: str) -> KafkaSettings:
@@ -86,11 +81,8 @@ async def test_gateway_judge_builder_pipeline_yields_episodes_atif_and_tasks(kaf
         assert run_verifier(task_dir, "nonsense > answer").reward == 0.0
 
 
-def _spawn(kafka: KafkaSettings, redis_url: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
-           "FANROUTE_KAFKA__TOPIC_NAMESPACE": kafka.topic_namespace, "FANROUTE_REDIS__URL": redis_url,
-           "FANROUTE_LOG_LEVEL": "WARNING"}
-    return subprocess.Popen([sys.executable, "-m", "services.episodes"], cwd=ROOT, env=env)
+def _builder(kafka: KafkaSettings, redis_url: str, *, crash: bool = False):
+    return running("-m", "services.episodes", env=service_env(kafka, redis_url), crash=crash)
 
 
 @pytest.mark.slow
@@ -107,15 +99,10 @@ async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_b
             await bus.publish(topic("traces"), judged_trace(f"t{i:03d}"))
         for i in range(0, n, 2):
             await bus.publish(topic("verdicts"), verdict_for(f"t{i:03d}"))
-        first = _spawn(kafka, redis_url)
-        try:
+        with _builder(kafka, redis_url, crash=True):
             await wait_for_records(kafka, "episodes", Episode, 5, timeout_s=120,
                                    what="5 episodes before the kill")
-        finally:
-            first.send_signal(signal.SIGKILL)
-            first.wait(timeout=10)
-        second = _spawn(kafka, redis_url)
-        try:
+        with _builder(kafka, redis_url):
             episodes = await wait_for_records(kafka, "episodes", Episode, n, timeout_s=180, what="every episode")
             await wait_for_records(kafka, "tasks", Task, n, timeout_s=60, what="every task")
             for i in range(n):  # a replay of every verdict: nothing new may appear
@@ -124,9 +111,6 @@ async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_b
             await bus.publish(topic("verdicts"), verdict_for("sentinel"))
             await wait_for_records(kafka, "episodes", Episode, n + 1, timeout_s=120,
                                    what="the sentinel's episode")
-        finally:
-            second.terminate()
-            second.wait(timeout=20)
     finally:
         await bus.stop()
     episodes = await topic_records(kafka, "episodes", Episode)

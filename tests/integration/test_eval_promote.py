@@ -32,9 +32,9 @@ from services.publisher.app import create_app as publisher_app
 from services.publisher.settings import PublisherSettings
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
-from services.tools.serving import free_port, served
 from tests.support.poll import eventually
 from tests.support.records import adi, adi_trace, episode
+from tests.support.serving import free_port, served
 from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]

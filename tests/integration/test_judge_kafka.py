@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import httpx
 import pytest
@@ -29,11 +27,11 @@ from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
 from tests.integration.llm_judge_fake import AutoJudgeServer
 from tests.support.poll import eventually
+from tests.support.processes import ROOT, running, service_env
 from tests.support.records import judged_trace
 from tests.support.topics import topic_records, wait_for_records
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
-ROOT = Path(__file__).resolve().parents[2]
 TRACE_PROVIDERS = [BM25Config(name=n) for n in ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")]
 
 
@@ -101,17 +99,14 @@ async def test_gateway_traces_become_verdicts(kafka_bootstrap, redis_url):
 
 
 def _judge_env(kafka: KafkaSettings, redis_url: str, llm: AutoJudgeServer, model: str) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT),
-            "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
-            "FANROUTE_KAFKA__TOPIC_NAMESPACE": kafka.topic_namespace, "FANROUTE_REDIS__URL": redis_url,
-            "FANROUTE_SAMPLE_RATE": "1.0", "FANROUTE_LOG_LEVEL": "WARNING",
-            "FANROUTE_PROVIDERS": json.dumps([p.model_dump() for p in TRACE_PROVIDERS]),
-            "FANROUTE_JUDGE": json.dumps({"type": "openai", "base_url": llm.base_url, "model": model,
-                                          "backoff_s": 0.01})}
+    return service_env(kafka, redis_url, FANROUTE_SAMPLE_RATE="1.0",
+                       FANROUTE_PROVIDERS=json.dumps([p.model_dump() for p in TRACE_PROVIDERS]),
+                       FANROUTE_JUDGE=json.dumps({"type": "openai", "base_url": llm.base_url, "model": model,
+                                                  "backoff_s": 0.01}))
 
 
-def _spawn(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.judge"], cwd=ROOT, env=env)
+def _judge(env: dict[str, str], *, crash: bool = False):
+    return running("-m", "services.judge", env=env, crash=crash)
 
 
 @pytest.mark.slow
@@ -127,16 +122,11 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
             env = _judge_env(kafka, redis_url, llm, "judge-llm-a")
             backend = build_backend(OpenAIJudgeConfig(base_url=llm.base_url, model="judge-llm-a"))
             group = "judge." + judge_key(backend, backend.rubric)
-            first = _spawn(env)
-            try:
+            with _judge(env, crash=True):
                 await wait_for_records(kafka, "verdicts", Verdict, 8, timeout_s=120,
                                        what="8 verdicts before the kill")
-            finally:
-                first.send_signal(signal.SIGKILL)
-                first.wait(timeout=10)
             assert len(await _verdicts(kafka)) < len(traces), "the kill must land mid-stream"
-            second = _spawn(env)
-            try:
+            with _judge(env):
                 await eventually(lambda: _group_caught_up(kafka, group), timeout_s=180,
                                  what="the restarted judge to catch up")
                 after_restart = await _verdicts(kafka)
@@ -145,16 +135,9 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
                 await eventually(lambda: _group_caught_up(kafka, group), timeout_s=120,
                                  what="the judge to read the replay")
                 after_replay = await _verdicts(kafka)
-            finally:
-                second.terminate()
-                second.wait(timeout=20)
-            third = _spawn(_judge_env(kafka, redis_url, llm, "judge-llm-b"))  # a different judge
-            try:
+            with _judge(_judge_env(kafka, redis_url, llm, "judge-llm-b")):  # a different judge
                 await wait_for_records(kafka, "verdicts", Verdict, 2 * len(traces), timeout_s=180,
                                        what="the second judge's verdicts")
-            finally:
-                third.terminate()
-                third.wait(timeout=20)
             prompts = llm.prompts
     finally:
         await bus.stop()

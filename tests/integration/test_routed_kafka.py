@@ -21,9 +21,8 @@ import httpx
 import pytest
 
 from schemas import AdapterPublished, Trace, topic
-from schemas.episode import ChatMessage, Episode, RewardComponent
+from schemas.episode import Episode, RewardComponent
 from services.common.bus import Bus
-from services.common.prompt import system_prompt
 from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_messages
 from services.common.settings import KafkaSettings, RedisSettings
@@ -39,6 +38,7 @@ from services.sampler.settings import SamplerSettings
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
 from tests.support.fakes import StaticProvider
+from tests.support.records import episode
 from tests.support.serving import free_port, served
 from tests.support.tiny_model import build_tiny_model
 
@@ -53,11 +53,9 @@ ORDERINGS = {1: "alpha > beta > gamma", 2: "gamma > beta > alpha"}
 
 def routing_episodes(answer: str, n: int = 120) -> list[Episode]:
     """``n`` episodes over PROVIDERS whose judged ordering is always ``answer``."""
-    return [Episode(episode_id=f"ep{i}", trace_id=f"tr{i}", created_at=datetime(2026, 1, 1, tzinfo=UTC),
-                    messages=(ChatMessage(role="system", content=system_prompt(PROVIDERS)),
-                              ChatMessage(role="user", content=f"{WORDS[i % 11]} {WORDS[(i * 3 + 1) % 11]} {i}"),
-                              ChatMessage(role="assistant", content=answer)),
-                    rewards=(RewardComponent(component_id=f"c{i}", name="ndcg:test:0", value=1.0),))
+    return [episode(f"{WORDS[i % 11]} {WORDS[(i * 3 + 1) % 11]} {i}", answer, PROVIDERS, f"ep{i}", trace_id=f"tr{i}",
+                    created_at=datetime(2026, 1, 1, tzinfo=UTC),
+                    rewards=[RewardComponent(component_id=f"c{i}", name="ndcg:test:0", value=1.0)])
             for i in range(n)]
 
 

@@ -21,11 +21,11 @@ from services.publisher.app import create_app as publisher_app
 from services.publisher.settings import PublisherSettings
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
-from services.tools.serving import free_port, served
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import train
 from tests.support.poll import eventually
 from tests.support.records import judged_trace, verdict_for
+from tests.support.serving import free_port, served
 from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]

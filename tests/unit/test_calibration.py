@@ -44,7 +44,7 @@ from services.providers.collections import (
     load_corpus,
     load_qrels,
 )
-from tests.support.records import NOW, candidate, signals
+from tests.support.records import candidate, trace
 
 # --------------------------------------------------------------------------- tau-b
 
@@ -139,8 +139,7 @@ def test_agreement_report_of_nothing():
 
 
 def _trace(query_id: str | None, cands, trace_id: str = "t1") -> Trace:
-    return Trace(trace_id=trace_id, received_at=NOW, query="q", query_id=query_id, mode="fanout",
-                 candidates=tuple(cands), signals=signals())
+    return trace(trace_id, cands, query="q", query_id=query_id)
 
 
 def _urls(collection: str, ids) -> tuple[str, ...]:

@@ -25,64 +25,16 @@ KEY, AWS = "sk-proj-AbC123dEf456GhI789jKl012MnO345pQr", "AKIAIOSFODNN7EXAMPLE"
 ALL = Redactor.build("all")
 T1 = "1f0e2d3c-4b5a-4697-8877-665544332211"
 
-# format -> (fixture, [(trace_id, [(role, content), ...]), ...]) as imported with every preset on
-CASES = {
-    "openai": ("openai.jsonl", [
-        ("chatcmpl-imp001", [("system", "You are a travel search assistant."),
-                             ("user", "My email is [REDACTED:email]; find flights to Lisbon"),
-                             ("assistant", "Here are three flights to Lisbon.")]),
-        ("chatcmpl-imp002", [("system", "Answer briefly."),
-                             ("user", "Call me at [REDACTED:phone] about\nthe hotel in Porto"),
-                             ("assistant", "I found two hotels in Porto.")]),
-        (None, [("system", "You are a security helpdesk."),
-                ("user", "Is my key [REDACTED:api_key] still valid?"),
-                ("assistant", "Please rotate that key now.")]),
-    ]),
-    "anthropic": ("anthropic.jsonl", [
-        ("msg_01imp001", [("system", "You are a travel assistant. Escalate problems to [REDACTED:email]."),
-                          ("user", "Find me a hotel in Porto"),
-                          ("assistant", "Here are three hotels in Porto.")]),
-        ("msg_01imp002", [("system", "You are a booking agent."),
-                          ("user", "Book it and text me at [REDACTED:phone]"),
-                          ("assistant", "Let me check availability."),
-                          ("assistant", "Booked: Hotel Infante, two nights.")]),
-        ("msg_01imp003", [("user", "My AWS key is [REDACTED:api_key], is it safe to share?"),
-                          ("assistant", "No. Deactivate it and create a new one.")]),
-    ]),
-    "langsmith": ("langsmith.json", [
-        (T1, [("user", "Cheapest train Lisbon to Porto? Reply to [REDACTED:email]"),
-              ("assistant", "The Alfa Pendular, from 31 EUR.")]),
-        ("2a1b0c9d-8e7f-4a6b-9c5d-4e3f2a1b0c9d", [
-            ("system", "You are concise."),
-            ("user", "My number is [REDACTED:phone], any rail strikes this week?"),
-            ("assistant", "No strikes are announced.")]),
-        ("3c2b1a09-f8e7-4d6c-8b5a-493827161504", [
-            ("system", "You guard secrets."),
-            ("user", "Use api key [REDACTED:api_key] for the booking API"),
-            ("assistant", "Never paste keys in chat; revoke it.")]),
-    ]),
-    "vercel": ("vercel.jsonl", [
-        ("chat-v5-001", [("user", "Plan a day in Lisbon, email the plan to [REDACTED:email]"),
-                         ("assistant", "Morning: Belém. Afternoon: Alfama.")]),
-        ("chat-v4-002", [("system", "You are a city guide."),
-                         ("user", "Text me on [REDACTED:phone] when the museum opens"),
-                         ("assistant", "The museum opens at 10:00.")]),
-        ("chat-core-003", [("user", "Store my key [REDACTED:api_key] please"),
-                           ("assistant", "Stored. Do not share it again.")]),
-    ]),
-    "csv": ("conversations.csv", [
-        ("csv-001", [("system", "You are a travel assistant."), ("user", "Email me at [REDACTED:email]"),
-                     ("assistant", "Sent the itinerary.")]),
-        ("csv-002", [("user", "Call [REDACTED:phone]"), ("assistant", "Calling now.")]),
-        ("csv-003", [("system", "You are a travel assistant."),
-                     ("user", "My key is [REDACTED:api_key]\nis it leaked?"), ("assistant", "Yes, rotate it.")]),
-    ]),
-    "messages": ("messages.jsonl", [
-        (None, [("system", "Be brief."), ("user", "my mail is [REDACTED:email]"), ("assistant", "Noted.")]),
-        (None, [("user", "ring [REDACTED:phone]"), ("assistant", "Ringing.")]),
-        ("msg-trace-3", [("user", "key [REDACTED:api_key]"), ("assistant", "Revoke it.")]),
-    ]),
-}
+
+def _expected() -> dict[str, tuple[str, list[tuple[str | None, list[tuple[str, str]]]]]]:
+    """format -> (fixture, [(trace_id, [(role, content), ...]), ...]) as imported with every preset on."""
+    cases = json.loads((FIX / "expected.json").read_text(encoding="utf-8"))
+    return {fmt: (case["fixture"], [(ep["trace_id"], [tuple(m) for m in ep["messages"]]) for ep in case["episodes"]])
+            for fmt, case in cases.items()}
+
+
+CASES = _expected()
+
 # format -> (malformed fixture, line of the bad record, good records kept by --skip-bad)
 BAD = {
     "openai": ("openai_bad.jsonl", 2, 2),

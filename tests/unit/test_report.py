@@ -7,12 +7,11 @@ import pytest
 from schemas import Trace
 from services.providers.collections import default_collections_dir, load_qrels
 from services.tools.report import render, score_traces, write_report
-from tests.support.records import NOW, candidate, signals
+from tests.support.records import candidate, trace
 
 
 def _trace(qid: str, cands) -> Trace:
-    return Trace(trace_id=qid, received_at=NOW, query="q", query_id=qid, mode="fanout",
-                 candidates=tuple(cands), signals=signals())
+    return trace(qid, cands, query="q", query_id=qid)
 
 
 def test_scores_providers_oracle_and_fanout(tmp_path):

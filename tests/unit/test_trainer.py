@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from schemas.calibration import CalibrationRecord
-from schemas.episode import ChatMessage, Episode, RewardComponent
+from schemas.episode import Episode, RewardComponent
 from services.common.dataset import write_jsonl
 from services.common.errors import ConfigError
-from services.common.prompt import judge_key_of, providers_of, system_prompt
+from services.common.prompt import judge_key_of, providers_of
 from services.trainer.data import (
     IGNORE,
     UncalibratedError,
@@ -28,6 +28,7 @@ from services.trainer.data import (
 from services.trainer.evaluate import score, tier_grades
 from services.trainer.settings import TrainerSettings
 from services.trainer.train import plan_run, train
+from tests.support import records
 from tests.support.tiny_model import build_tiny_model
 
 PROVIDERS = ("alpha", "beta", "gamma")
@@ -39,12 +40,10 @@ WORDS = "protein heart mouse cells effect study search query model".split()
 def episode(i: int, *, query: str | None = None, answer: str | None = None, reward: float = 1.0,
             reward_name: str = JUDGE) -> Episode:
     """A routing episode over PROVIDERS with one ndcg reward component."""
-    return Episode(
-        episode_id=f"ep{i:04d}", trace_id=f"tr{i:04d}", created_at=datetime(2026, 1, 1, tzinfo=UTC),
-        messages=(ChatMessage(role="system", content=system_prompt(PROVIDERS)),
-                  ChatMessage(role="user", content=query or f"{WORDS[i % len(WORDS)]} {WORDS[(i * 3 + 1) % 9]} {i}"),
-                  ChatMessage(role="assistant", content=answer or ORDERINGS[i % len(ORDERINGS)])),
-        rewards=(RewardComponent(component_id=f"c{i}", name=reward_name, value=reward),))
+    return records.episode(query or f"{WORDS[i % len(WORDS)]} {WORDS[(i * 3 + 1) % 9]} {i}",
+                           answer or ORDERINGS[i % len(ORDERINGS)], PROVIDERS, f"ep{i:04d}", trace_id=f"tr{i:04d}",
+                           created_at=datetime(2026, 1, 1, tzinfo=UTC),
+                           rewards=[RewardComponent(component_id=f"c{i}", name=reward_name, value=reward)])
 
 
 def gate(open_: bool) -> CalibrationRecord:
