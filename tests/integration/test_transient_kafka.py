@@ -8,12 +8,9 @@ on a free port) that stands in for the publisher; it is stopped for longer than 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
-import socket
 import time
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 
 import pytest
@@ -24,26 +21,19 @@ from services.common.bus import Bus, dead_letter_from_record
 from services.common.replay_topic import read_records_to_end
 from services.common.settings import KafkaSettings
 from services.sampler.registry import AdapterEntry, AdapterRegistry
-from services.sampler.worker import AdapterStore, AdapterWorker, default_fetcher, is_unreachable
+from services.sampler.worker import (
+    AdapterStore,
+    AdapterWorker,
+    default_fetcher,
+    is_unreachable,
+)
+from tests.support.poll import eventually
+from tests.support.serving import free_port
 
 pytestmark = pytest.mark.kafka
 OUTAGE_S = 2.5  # well past the old 0.6 s budget
 FILES = {"adapter_config.json": b'{"r": 4, "peft_type": "LORA"}', "adapter_model.safetensors": b"weights" * 100}
 SHA = {name: hashlib.sha256(data).hexdigest() for name, data in FILES.items()}
-
-
-async def _eventually(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class StandInPublisher:
@@ -96,7 +86,7 @@ def _announcement(version: int, url: str) -> AdapterPublished:
 async def test_publisher_outage_is_waited_out_and_nothing_is_dead_lettered(kafka_bootstrap, tmp_path):
     settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"tr{uuid.uuid4().hex[:10]}.",
                              transient_backoff_initial_s=0.1, transient_backoff_max_s=0.5, transient_budget_s=60)
-    publisher = StandInPublisher(_free_port())
+    publisher = StandInPublisher(free_port())
     fetch = default_fetcher(publisher.base, 2.0)
     failures: list[BaseException] = []
 
@@ -118,13 +108,13 @@ async def test_publisher_outage_is_waited_out_and_nothing_is_dead_lettered(kafka
         down_at = time.monotonic()
         await bus.publish(topic("adapters"),
                           _announcement(1, f"{publisher.base}/v1/adapters/router/versions/1"))
-        await _eventually(lambda: len(failures) >= 3 and time.monotonic() - down_at >= OUTAGE_S, 30,
-                          f"three failed pulls and {OUTAGE_S} s of outage")
+        await eventually(lambda: len(failures) >= 3 and time.monotonic() - down_at >= OUTAGE_S, timeout_s=30,
+                         what=f"three failed pulls and {OUTAGE_S} s of outage", interval_s=0.05)
         assert sampler.registry.get("router@1") is None
         await publisher.start()
         outage_s = time.monotonic() - down_at
-        await _eventually(lambda: sampler.registry.get("router@1") is not None, 30,
-                          "the announcement to be pulled after the outage")
+        await eventually(lambda: sampler.registry.get("router@1") is not None, timeout_s=30,
+                         what="the announcement to be pulled after the outage", interval_s=0.05)
         assert sampler.registry.alias_target("router") == "router@1"
         assert publisher.requests == 1 + len(FILES)  # the manifest and each blob, once, after the outage
         assert outage_s > OUTAGE_S and all(is_unreachable(e) for e in failures), failures
@@ -133,11 +123,10 @@ async def test_publisher_outage_is_waited_out_and_nothing_is_dead_lettered(kafka
 
         # A refusal is not an outage: the publisher answers 404, the announcement is dead-lettered.
         await bus.publish(topic("adapters"), _announcement(2, f"{publisher.base}/v1/adapters/router/versions/2"))
-        deadline = time.monotonic() + 30
-        while not dead:
-            assert time.monotonic() < deadline, "the refused announcement was not dead-lettered"
-            dead = [r async for r in read_records_to_end(settings, bus.dlq_name(topic("adapters")))]
-            await asyncio.sleep(0.1)
+        async def dead_letters() -> list:
+            return [r async for r in read_records_to_end(settings, bus.dlq_name(topic("adapters")))]
+
+        dead = await eventually(dead_letters, timeout_s=30, what="the refused announcement dead-lettered")
         [letter] = [dead_letter_from_record(r) for r in dead]
         assert "HTTP 404" in letter.reason and letter.error_type == "AdapterUnavailable"
         assert AdapterPublished.model_validate_json(letter.original).version == 2

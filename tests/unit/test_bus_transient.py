@@ -19,8 +19,14 @@ from services.common.idempotency import RedisKeyStore, redis_transient
 from services.common.publisher_client import PublisherClientError
 from services.common.settings import KafkaSettings
 from services.sampler.registry import AdapterEntry, AdapterRegistry, AdapterUnavailable
-from services.sampler.worker import AdapterStore, AdapterWorker, SourceUnreachable, is_unreachable
-from tests.factories import NOW, trace
+from services.sampler.worker import (
+    AdapterStore,
+    AdapterWorker,
+    SourceUnreachable,
+    is_unreachable,
+)
+from tests.support.poll import eventually
+from tests.support.records import NOW, trace
 
 FAST = dict(bootstrap_servers="memory://", transient_backoff_initial_s=0.01, transient_backoff_max_s=0.02,
             transient_budget_s=10.0)
@@ -88,9 +94,7 @@ async def test_transient_failures_are_retried_past_max_attempts_and_never_dead_l
     try:
         with caplog.at_level(logging.WARNING, logger="services.common.bus"):
             await bus.publish(topic("traces"), trace("t1"))
-            async with asyncio.timeout(10):
-                while len(calls) < 7:
-                    await asyncio.sleep(0.01)
+            await eventually(lambda: len(calls) >= 7, timeout_s=10, what="the seventh call", interval_s=0.01)
     finally:
         await bus.stop()
     assert calls == ["t1"] * 7 and dlq.got == []

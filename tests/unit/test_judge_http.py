@@ -29,7 +29,7 @@ from services.judge.backends.openai import OpenAIJudge, seed_for
 from services.judge.base import BlindCandidate, JudgeFailed, JudgeRequest, Source
 from services.judge.rubric import SYSTEM, render_user
 from services.judge.settings_backends import AnthropicJudgeConfig, OpenAIJudgeConfig
-from tests.http_fake import Reply, ScriptedServer, scripted_fixtures, started
+from tests.support.http_fake import Reply, ScriptedServer, scripted_fixtures, started
 
 KEY = "sk-judge-S3CRET+key/=="
 GOOD = '{"grades": {"A": 3, "B": 1, "C": 0}, "ranking": [["A"], ["B"], ["C"]]}'

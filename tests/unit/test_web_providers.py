@@ -19,7 +19,7 @@ from services.common.errors import (
     ProviderTimeout,
 )
 from services.providers.base import ProviderAnswer, build_answer
-from tests.http_fake import scripted_fixtures, started
+from tests.support.http_fake import scripted_fixtures, started
 from tests.unit.web_api_fakes import (
     APIS,
     ELASTIC,
