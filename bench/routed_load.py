@@ -249,7 +249,7 @@ async def run_side(side: str, args: argparse.Namespace, pport: int, router_url: 
                   "timeout_s": 5, "max_retries": 0} for i in range(len(args.latencies))]
     routing: dict[str, Any] = {"enabled": False}
     if routed:
-        routing = {"enabled": True, "router_url": router_url, "model_id": "router",
+        routing = {"enabled": True, "router_url": router_url, "model_id": "router", "mode": "generate",
                    "fanout_fraction": args.fanout_fraction, "router_timeout_s": args.router_timeout,
                    "max_tokens": args.max_tokens, "fallback_provider": args.fallback_provider,
                    "poll_s": 5.0, "group_id": f"bench-routed-{gport}"}

@@ -72,6 +72,11 @@ class Route(Message):
     fallback_provider: str | None = Field(default=None, description="The best single provider used on fallback")
     router_ms: float = Field(default=0.0, ge=0, description="Time spent asking the router")
     raw: str = Field(default="", max_length=4096, description="The router's reply text, as received")
+    scores: dict[str, float] = Field(
+        default_factory=dict, description="Scoring router: each provider name's summed log-probability as the "
+                                          "continuation of the router prompt (empty when generating or on fallback)")
+    cost_weight: float | None = Field(default=None, ge=0,
+                                      description="λ of the decision: expected quality minus λ · cost (USD)")
 
 
 class Trace(Message):

@@ -52,6 +52,18 @@ def router_messages(providers: Iterable[str], query: str) -> list[dict[str, str]
     return [{"role": m.role, "content": m.content} for m in router_turns(providers, query)]
 
 
+def render_chatml(messages: Iterable[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+    """``messages`` as ChatML text, exactly as SmolLM2's (and Qwen's) chat template writes them when the
+    conversation has a system turn: what a completions endpoint is sent when the router scores
+    continuations of the prompt instead of chatting."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+#: Prompt renderers by model family: the text a completions endpoint must be sent to see what chat saw.
+RENDERERS = {"chatml": render_chatml}
+
+
 def query_of(ep: Episode) -> str:
     """The user turn (the query) of an episode."""
     return next((m.content for m in ep.messages if m.role == "user"), "")

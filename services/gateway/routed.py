@@ -23,6 +23,7 @@ from services.providers.fanout import call_provider
 from services.providers.signals import compute_signals
 from services.router.client import RouterAnswer, RouterClient, RouterError
 from services.router.policy import call_order, in_fanout_slice
+from services.router.scoring import decide
 
 log = logging.getLogger(__name__)
 FALLBACK_REASONS: tuple[RouteFallback, ...] = ("no_adapter", "router_timeout", "router_error", "unparseable")
@@ -46,7 +47,9 @@ class RoutedMode:
             stamps = RedisStampStore(settings.redis.url, settings.kafka.topic_namespace)
         self.follower = PromotedFollower(r.model_id, bus, stamps=stamps, poll_s=r.poll_s,
                                          group_id=r.consumer_group, on_change=self._promoted)
-        self.client = client or RouterClient(r.router_url, timeout_s=r.router_timeout_s, max_tokens=r.max_tokens)
+        self.client = client or RouterClient(r.router_url, timeout_s=r.router_timeout_s, max_tokens=r.max_tokens,
+                                             mode=r.mode, prompt_format=r.prompt_format)
+        self.cost_usd = {p.name: p.cost_usd for p in providers}
         self._fallback_logged: tuple[str, str] | None = None
         self._last_outcome: str | None = None
         for path in ("router", "fallback"):
@@ -102,11 +105,16 @@ class RoutedMode:
         promoted = self.follower.current
         answer, reason, raw, router_ms = await self._ask(promoted, query)
         fallback = self.fallback_provider(promoted)
-        ordering = answer.ordering if answer is not None else ()
+        scores = answer.scores if answer is not None and answer.scores is not None else None
+        if scores is not None:
+            ordering = decide(scores, self.cost_usd, self.routing.cost_weight)
+        else:
+            ordering = answer.ordering if answer is not None else ()
         candidates = await self._call_in_order(call_order(ordering, self.names, fallback), query, deadline_at)
         route = Route(router=promoted.router if promoted else None, ordering=ordering,
                       called=tuple(c.provider for c in candidates), fallback=reason,
-                      fallback_provider=fallback if reason else None, router_ms=router_ms, raw=raw[:RAW_LIMIT])
+                      fallback_provider=fallback if reason else None, router_ms=router_ms, raw=raw[:RAW_LIMIT],
+                      scores=scores or {}, cost_weight=self.routing.cost_weight if scores is not None else None)
         self._count(reason)
         # One answering candidate at most, so nothing to disagree about: routed traces are never contested.
         signals = compute_signals(candidates, self.contested_threshold).model_copy(update={"contested": False})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -33,7 +34,15 @@ class RoutingSettings(BaseModel):
                                    description="Share of requests (by request/query id hash) that keep fanning "
                                                "out, to produce unbiased labels")
     router_timeout_s: float = Field(default=2.0, gt=0, le=60, description="Deadline of one router call")
-    max_tokens: int = Field(default=48, ge=1, le=1024, description="Greedy tokens the router may write")
+    mode: Literal["score", "generate"] = Field(
+        default="score", description="score: one completions call scores every provider name after the router "
+                                     "prompt (vLLM prompt_logprobs); generate: the router writes its ordering")
+    cost_weight: float = Field(default=0.0, ge=0, le=1e6,
+                               description="λ: choose the provider maximising P(best) − λ · cost per call (USD); "
+                                           "0 = pure quality (scoring mode only)")
+    prompt_format: Literal["chatml"] = Field(default="chatml",
+                                             description="How the router prompt is rendered for scoring")
+    max_tokens: int = Field(default=48, ge=1, le=1024, description="Greedy tokens the router may write (generate)")
     fallback_provider: str | None = Field(
         default=None, min_length=1, max_length=128,
         description="Best single provider, answering when the router cannot; must be an enabled provider "

@@ -1,9 +1,10 @@
 """Ask the router (the CPU sampler or vLLM, OpenAI-compatible) for an ordering of the providers.
 
-The request is the conversation the student was trained on: the system turn built by
-:func:`services.episodes.build.system_prompt` from the provider names, then the query. Greedy
-decoding, a fixed ``max_tokens``, one deadline; every way this can fail is a :class:`RouterError`
-with a ``kind`` the gateway counts its fallbacks by.
+The request is the conversation the student was trained on (:mod:`services.common.prompt`). Two
+modes: ``score`` (the default) asks ``/v1/completions`` for the log-probability of each provider
+name as the continuation of that prompt, in one call (:mod:`services.router.scoring`); ``generate``
+asks ``/v1/chat/completions`` to write the ordering greedily and parses it. One deadline; every way
+this can fail is a :class:`RouterError` with a ``kind`` the gateway counts its fallbacks by.
 """
 
 from __future__ import annotations
@@ -13,13 +14,16 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
 
 from services.common.errors import FanrouteError
 from services.common.prompt import router_messages
 from services.router.parse import ParsedOrdering, UnparseableOrdering, parse_ordering
+from services.router.scoring import ScoresUnreadable, decide, parse_scores, score_request
+
+RouterMode = Literal["score", "generate"]
 
 
 class RouterError(FanrouteError, RuntimeError):
@@ -47,11 +51,13 @@ class RouterUnparseable(RouterError, ValueError):
 
 @dataclass(frozen=True)
 class RouterAnswer:
-    """The parsed ordering, the reply as written, and how long asking took."""
+    """The parsed ordering, the reply as written, how long asking took, and (scoring) each provider's
+    summed log-probability."""
 
     parsed: ParsedOrdering
     raw: str
     latency_ms: float
+    scores: dict[str, float] | None = None
 
     @property
     def ordering(self) -> tuple[str, ...]:
@@ -68,12 +74,16 @@ class RouterClient:
     """One HTTP session to an OpenAI-compatible server; :meth:`route` asks it for one ordering."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, max_tokens: int = 48,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, mode: RouterMode = "generate", prompt_format: str = "chatml") -> None:
         if timeout_s <= 0 or max_tokens < 1:
             raise ValueError("timeout_s must be > 0 and max_tokens >= 1")
+        if mode not in ("score", "generate"):
+            raise ValueError(f"mode must be 'score' or 'generate', not {mode!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
+        self.mode = mode
+        self.prompt_format = prompt_format
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -101,10 +111,13 @@ class RouterClient:
         assert self._session is not None
         budget = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
+        if self.mode == "score":
+            path, payload = "/v1/completions", score_request(model, providers, query, prompt_format=self.prompt_format)
+        else:
+            path, payload = "/v1/chat/completions", chat_request(model, providers, query, self.max_tokens)
         try:
             async with asyncio.timeout(budget):
-                async with self._session.post(f"{self.base_url}/v1/chat/completions",
-                                              json=chat_request(model, providers, query, self.max_tokens)) as r:
+                async with self._session.post(f"{self.base_url}{path}", json=payload) as r:
                     body = await r.read()
                     status = r.status
         except TimeoutError:
@@ -112,12 +125,28 @@ class RouterClient:
         except aiohttp.ClientError as exc:
             raise RouterError(f"router {model} unreachable at {self.base_url}: {type(exc).__name__}: {exc}") from exc
         latency_ms = (time.perf_counter() - t0) * 1000.0
+        if self.mode == "score":
+            return _scored(model, providers, status, body, latency_ms)
         raw = _content(model, status, body)
         try:
             parsed = parse_ordering(raw, providers)
         except UnparseableOrdering as exc:
             raise RouterUnparseable(str(exc), raw=raw) from exc
         return RouterAnswer(parsed, raw, round(latency_ms, 3))
+
+
+def _scored(model: str, providers: Sequence[str], status: int, body: bytes, latency_ms: float) -> RouterAnswer:
+    """The answer of a scoring call: providers by probability (cost is the gateway's to weigh)."""
+    if status != 200:
+        raise RouterError(f"router {model}: HTTP {status}: {error_reason(body)}", status=status)
+    try:
+        scores = parse_scores(json.loads(body), providers)
+    except (ValueError, AttributeError) as exc:  # ScoresUnreadable is a ValueError, so is bad JSON
+        why = str(exc) if isinstance(exc, ScoresUnreadable) else f"not JSON ({exc})"
+        raise RouterUnparseable(f"router {model}: no candidate scores: {why}",
+                                raw=body[:300].decode(errors="replace")) from exc
+    parsed = ParsedOrdering(tiers=tuple((n,) for n in decide(scores, {}, 0.0)), unknown=(), missing=())
+    return RouterAnswer(parsed, "", round(latency_ms, 3), scores={n: round(s, 6) for n, s in scores.items()})
 
 
 def _content(model: str, status: int, body: bytes) -> str:

@@ -139,6 +139,27 @@ def chat_completion(content: str | None, model: str = "router@1") -> Reply:
                        "usage": {"prompt_tokens": 120, "completion_tokens": 9, "total_tokens": 129}})
 
 
+def scored_completion(scores: dict[str, float], model: str = "router@1", *, prefix_ids: Sequence[int] = (7, 8, 9),
+                      shuffle: bool = False) -> Reply:
+    """vLLM's ``/v1/completions`` answer to a scoring request (one prompt per name, ``prompt_logprobs=0``):
+    every prompt is the same prefix tokens then one token per character of its name; the name's last
+    token carries ``scores[name]`` and the others 0, as a model whose shared tokens score the same would."""
+    choices = []
+    for i, (name, score) in enumerate(scores.items()):
+        ids = [*prefix_ids, *(ord(ch) for ch in name)]
+        logprobs = [*(-0.5 for _ in prefix_ids[1:]), *(0.0 for _ in name[:-1]), score]
+        entries = [None, *({str(t): {"logprob": lp, "rank": 1, "decoded_token": chr(t) if t > 31 else "?"}}
+                           for t, lp in zip(ids[1:], logprobs, strict=True))]
+        choices.append({"index": i, "text": " ", "logprobs": None, "finish_reason": "length", "stop_reason": None,
+                        "prompt_logprobs": entries})
+    if shuffle:
+        choices.reverse()
+    return Reply(200, {"id": "cmpl-1", "object": "text_completion", "created": 1741570283, "model": model,
+                       "choices": choices, "usage": {"prompt_tokens": 130 * len(scores),
+                                                     "completion_tokens": len(scores),
+                                                     "total_tokens": 131 * len(scores)}})
+
+
 Answer = Callable[[str, str], str | None]
 
 

@@ -37,7 +37,7 @@ def router():
 def settings_for(router_url: str | None, providers: tuple[str, ...] = ("a", "b", "c"), *,
                  deadline_s: float = 10.0, **routing) -> GatewaySettings:
     routing = {"enabled": True, "router_url": router_url, "fanout_fraction": 0.0, "router_timeout_s": 0.5,
-               **routing}
+               "mode": "generate", **routing}  # the fake router writes orderings (scoring: test_router_scoring.py)
     return GatewaySettings(kafka=KafkaSettings(bootstrap_servers="memory://"), redis=RedisSettings(url="memory://"),
                            providers=[BM25Config(name=n) for n in providers], deadline_s=deadline_s,
                            routing=routing)
