@@ -56,6 +56,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="an eval.json from fanroute eval (default: evaluate now with the eval arguments)")
     p.add_argument("--min-gain", type=_non_negative, default=0.0,
                    help="the candidate must beat each baseline by more than this on each measure")
+    p.add_argument("--max-router-p99-ms", type=_non_negative, default=None,
+                   help="the candidate router's own decision time must have p99 within this (default: no limit)")
+    p.add_argument("--cost-min-gain", type=_non_negative, default=0.02,
+                   help="a candidate dearer per query than the deployed router must beat it by at least this "
+                        "on both measures")
     _add_eval_arguments(p, train_required=False)
 
 
@@ -137,7 +142,8 @@ def _promote(args: argparse.Namespace, settings) -> int:
             raise EvalInputError(f"{eval_path} compared {args.candidate} with deployed "
                                  f"{report.inputs.deployed or 'none'}, but the publisher's promoted {model_id} "
                                  f"is now {current_name or 'none'}; evaluate again")
-        decision = decide(report, min_gain=args.min_gain, eval_file=str(eval_path))
+        decision = decide(report, min_gain=args.min_gain, eval_file=str(eval_path),
+                          max_router_p99_ms=args.max_router_p99_ms, cost_min_gain=args.cost_min_gain)
         status = 0 if decision.decision == "promote" else EXIT_REFUSED
         if decision.decision == "promote":
             try:

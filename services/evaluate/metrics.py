@@ -36,6 +36,8 @@ class PolicyMetrics(BaseModel):
     cost_per_query_usd: float
     latency_p50_ms: float
     latency_p99_ms: float
+    router_p50_ms: float | None = Field(default=None, description="Router policies: the router's own decision time")
+    router_p99_ms: float | None = Field(default=None, description="Router policies: p99 of the decision time")
     fallbacks: dict[str, int] = Field(default_factory=dict,
                                       description="Router failures answered by the best single provider, by kind")
     fallback_examples: dict[str, str] = Field(default_factory=dict,
@@ -84,6 +86,8 @@ def gain_share(policy: float | None, best_single: float | None, oracle: float | 
 def policy_metrics(policy: str, outcomes: Sequence[Outcome], adapter: str | None = None) -> PolicyMetrics:
     """Means, calls, cost, latency percentiles and fallbacks of one policy over the queries."""
     latency_Q = np.array([o.latency_ms for o in outcomes], dtype=float)
+    router_Q = np.array([o.router_ms for o in outcomes], dtype=float)
+    routed = adapter is not None and len(router_Q) > 0
     examples: dict[str, str] = {}
     for o in outcomes:
         if o.fallback and o.fallback_detail:
@@ -95,6 +99,8 @@ def policy_metrics(policy: str, outcomes: Sequence[Outcome], adapter: str | None
         cost_per_query_usd=round(float(np.mean([o.cost_usd for o in outcomes])), 8),
         latency_p50_ms=round(float(np.percentile(latency_Q, 50)), 3),
         latency_p99_ms=round(float(np.percentile(latency_Q, 99)), 3),
+        router_p50_ms=round(float(np.percentile(router_Q, 50)), 3) if routed else None,
+        router_p99_ms=round(float(np.percentile(router_Q, 99)), 3) if routed else None,
         fallbacks=dict(sorted(Counter(o.fallback for o in outcomes if o.fallback).items())),
         fallback_examples=examples,
         unanswered=sum(o.returned is None for o in outcomes))

@@ -71,6 +71,7 @@ class Outcome:
     judge: float | None
     fallback: str | None = None
     fallback_detail: str | None = None
+    router_ms: float = 0.0
 
 
 def attempt(trace: Trace, order: Sequence[str], max_attempts: int) -> tuple[tuple[str, ...], str | None]:
@@ -100,7 +101,7 @@ def served(policy: str, q: QueryScores, called: tuple[str, ...], returned: str |
                    cost_usd=sum(c.cost_usd for c in cands),
                    latency_ms=router_ms + sum(c.latency_ms for c in cands),
                    human=_score(q.human, returned), judge=_score(q.judge, returned), fallback=fallback,
-                   fallback_detail=fallback_detail)
+                   fallback_detail=fallback_detail, router_ms=router_ms)
 
 
 def single(q: QueryScores, provider: str, max_attempts: int, policy: str = BEST_SINGLE) -> Outcome:

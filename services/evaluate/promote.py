@@ -1,9 +1,15 @@
 """The promotion rule: a candidate router is promoted only when it beats the deployed router and the
-best single provider on BOTH measures (the judge's grades and the humans' nDCG@10) on held-out data.
+best single provider on BOTH measures (the judge's grades and the humans' nDCG@10) on held-out data,
+decides fast enough, and does not cost more than the deployed router without paying for it.
 
-Strictly: candidate mean > baseline mean + ``min_gain`` for every (measure, baseline) pair; a measure
-with no data (no held-out query has qrels, or the judge graded none) refuses, as does a candidate
-that is already the deployed version.
+Three rules, each a :class:`Check` naming its rule:
+- ``quality``: candidate mean > baseline mean + ``min_gain`` for every (measure, baseline) pair; a
+  measure with no data (no held-out query has qrels, or the judge graded none) refuses;
+- ``latency``: the candidate's own decision time (the router call, not the providers) has p99 within
+  ``max_router_p99_ms`` (when set);
+- ``cost``: with a deployed router, the candidate's cost per query is no higher than the deployed
+  router's, unless it beats the deployed router by at least ``cost_min_gain`` on both measures.
+A candidate that is already the deployed version is refused.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ class Check(BaseModel):
     """One (measure, baseline) comparison of the rule."""
 
     model_config = ConfigDict(frozen=True)
+    rule: Literal["quality", "latency", "cost"] = "quality"
     measure: str
-    baseline: str = Field(description="best_single or deployed")
+    baseline: str = Field(description="best_single, deployed, or limit (latency)")
     baseline_name: str | None = Field(description="The best single provider's or the deployed adapter's name")
     candidate_mean: float | None
     baseline_mean: float | None
@@ -36,6 +43,14 @@ class Check(BaseModel):
 
     def line(self, min_gain: float) -> str:
         who = f"{self.baseline} ({self.baseline_name})"
+        if self.rule == "latency":
+            verb = "within" if self.passed else "over"
+            return (f"latency: candidate router p99 {self.candidate_mean:.1f} ms {verb} the limit "
+                    f"{self.baseline_mean:.0f} ms (n={self.n})")
+        if self.rule == "cost":
+            verb = "no higher than" if self.passed else "higher than"
+            return (f"cost: candidate {self.candidate_mean:.5f} USD/query {verb} {who} {self.baseline_mean:.5f}"
+                    f"{'' if self.passed or self.baseline_mean is None else ' without beating it by the cost gain'}")
         if self.candidate_mean is None or self.baseline_mean is None:
             return f"{self.measure}: no {self.measure} measure on the held-out queries (n={self.n}); cannot compare"
         verb = "beats" if self.passed else "does not beat"
@@ -54,6 +69,8 @@ class Decision(BaseModel):
     reasons: list[str]
     checks: list[Check]
     min_gain: float
+    decided_by: list[str] = Field(default_factory=list,
+                                  description="The rules that refused, or every rule checked when promoted")
     fallback_provider: str = Field(description="The best single provider, handed to the gateway for fallbacks")
     eval_file: str
     decided_at: datetime
@@ -61,8 +78,9 @@ class Decision(BaseModel):
     publisher_error: str | None = None
 
 
-def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "") -> Decision:
-    """Apply the rule to an eval report (pure)."""
+def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", max_router_p99_ms: float | None = None,
+           cost_min_gain: float = 0.02) -> Decision:
+    """Apply the rules to an eval report (pure)."""
     i = report.inputs
     cand = report.policies[CANDIDATE]
     baselines = [(BEST_SINGLE, i.best_single.provider)]
@@ -76,13 +94,27 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "") ->
             ok = c.mean is not None and b.mean is not None and c.mean > b.mean + min_gain
             checks.append(Check(measure=measure, baseline=policy, baseline_name=name, candidate_mean=c.mean,
                                 baseline_mean=b.mean, n=c.n, passed=ok))
+    if max_router_p99_ms is not None:
+        p99 = cand.router_p99_ms if cand.router_p99_ms is not None else float("inf")
+        checks.append(Check(rule="latency", measure="router_p99_ms", baseline="limit",
+                            baseline_name=f"{max_router_p99_ms:g} ms", candidate_mean=p99,
+                            baseline_mean=max_router_p99_ms, n=cand.queries, passed=p99 <= max_router_p99_ms))
+    if i.deployed is not None:
+        dep = report.policies[DEPLOYED]
+        pays = all((c := cand.measure(m).mean) is not None and (d := dep.measure(m).mean) is not None
+                   and c >= d + cost_min_gain for m in MEASURES)
+        checks.append(Check(rule="cost", measure="cost_per_query_usd", baseline=DEPLOYED, baseline_name=i.deployed,
+                            candidate_mean=cand.cost_per_query_usd, baseline_mean=dep.cost_per_query_usd,
+                            n=cand.queries, passed=cand.cost_per_query_usd <= dep.cost_per_query_usd or pays))
     failed = [ch.line(min_gain) for ch in checks if not ch.passed]
+    decided_by = sorted({ch.rule for ch in checks if not ch.passed}) or sorted({ch.rule for ch in checks})
     if i.deployed is not None and i.deployed == i.candidate:
         failed.insert(0, f"{i.candidate} is already the deployed router")
+        decided_by = ["already_deployed", *decided_by]
     reasons = failed or [ch.line(min_gain) for ch in checks]
     return Decision(candidate=i.candidate, deployed=i.deployed, decision="refuse" if failed else "promote",
-                    reasons=reasons, checks=checks, min_gain=min_gain, fallback_provider=i.best_single.provider,
-                    eval_file=eval_file, decided_at=datetime.now(UTC))
+                    reasons=reasons, checks=checks, min_gain=min_gain, decided_by=decided_by,
+                    fallback_provider=i.best_single.provider, eval_file=eval_file, decided_at=datetime.now(UTC))
 
 
 def evidence(report: EvalReport, decision: Decision) -> dict[str, Any]:
@@ -102,5 +134,6 @@ def render(decision: Decision) -> str:
     if decision.decision == "promote" and not decision.promoted:
         head += " (decided, but the publisher did not accept it)"
     deployed = decision.deployed or "none"
-    return "\n".join([f"{head} (deployed: {deployed}; fallback provider: {decision.fallback_provider})",
+    return "\n".join([f"{head} (deployed: {deployed}; fallback provider: {decision.fallback_provider}; "
+                      f"decided by: {', '.join(decision.decided_by)})",
                       *(f"  - {r}" for r in decision.reasons)])

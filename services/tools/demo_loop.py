@@ -36,6 +36,7 @@ class LoopOptions:
     batch_size: int = 8
     router_max_tokens: int = 8  # the top of the ordering is what routing needs; ~0.1 s per token on CPU
     router_timeout_s: float = 5.0
+    max_router_p99_ms: float = 2000.0  # the promotion's latency rule: the router's own p99 on the held-out queries
     fanout_fraction: float = 0.1
     # The CPU sampler answers about one routing request per second (generation is serialised), so the
     # routed phase sends a bounded number of held-out queries at a rate it can keep up with.
@@ -147,7 +148,7 @@ async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_ur
         router_max_tokens=opts.router_max_tokens), judge)
     eval_dir = out_dir / "eval"
     print(f"report: {write_json(report, eval_dir)}\nplot:   {write_plot(report, eval_dir)}")
-    decision = decide(report, eval_file=str(eval_dir / "eval.json"))
+    decision = decide(report, eval_file=str(eval_dir / "eval.json"), max_router_p99_ms=opts.max_router_p99_ms)
     if decision.decision == "promote":
         model_id, version = candidate.split("@")
 

@@ -15,16 +15,20 @@ from services.evaluate.promote import EXIT_REFUSED, decide
 from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, write_json
 
 
-def _metrics(policy: str, human: float | None, judge: float | None, adapter: str | None = None) -> PolicyMetrics:
+def _metrics(policy: str, human: float | None, judge: float | None, adapter: str | None = None, *,
+             cost: float = 0.001, router_p99_ms: float | None = None) -> PolicyMetrics:
     return PolicyMetrics(policy=policy, adapter=adapter, queries=10,
                          human=MeasureStats(mean=human, n=0 if human is None else 10),
-                         judge=MeasureStats(mean=judge, n=10), calls_per_query=1, cost_per_query_usd=0.001,
-                         latency_p50_ms=100, latency_p99_ms=200)
+                         judge=MeasureStats(mean=judge, n=10), calls_per_query=1, cost_per_query_usd=cost,
+                         latency_p50_ms=100, latency_p99_ms=200,
+                         router_p50_ms=None if router_p99_ms is None else router_p99_ms / 2, router_p99_ms=router_p99_ms)
 
 
 def make_report(cand=(0.6, 2.0), best=(0.5, 1.5), deployed=(0.55, 1.8), *, candidate="router@3",
-                deployed_name: str | None = "router@2") -> EvalReport:
-    policies = {"candidate": _metrics("candidate", *cand, adapter=candidate),
+                deployed_name: str | None = "router@2", cand_cost: float = 0.001,
+                cand_router_p99_ms: float | None = 80.0) -> EvalReport:
+    policies = {"candidate": _metrics("candidate", *cand, adapter=candidate, cost=cand_cost,
+                                      router_p99_ms=cand_router_p99_ms),
                 "best_single": _metrics("best_single", *best),
                 "oracle": _metrics("oracle", 0.7, 2.5), "fanout": _metrics("fanout", 0.55, 1.9)}
     if deployed_name is not None:
@@ -44,7 +48,8 @@ def make_report(cand=(0.6, 2.0), best=(0.5, 1.5), deployed=(0.55, 1.8), *, candi
 
 def test_promotes_when_it_beats_both_baselines_on_both_measures():
     d = decide(make_report())
-    assert d.decision == "promote" and len(d.checks) == 4 and all(c.passed for c in d.checks)
+    assert d.decision == "promote" and all(c.passed for c in d.checks)
+    assert [c.rule for c in d.checks] == ["quality"] * 4 + ["cost"] and d.decided_by == ["cost", "quality"]
     assert d.fallback_provider == "bm25-all"
     assert any("human: candidate 0.6000 beats best_single (bm25-all) 0.5000" in r for r in d.reasons)
 
@@ -73,6 +78,28 @@ def test_min_gain():
     assert decide(make_report(), min_gain=0.02).decision == "promote"
     d = decide(make_report(), min_gain=0.06)
     assert d.decision == "refuse" and any("by more than 0.06" in r for r in d.reasons)
+
+
+def test_the_router_must_decide_within_the_latency_limit():
+    assert decide(make_report(), max_router_p99_ms=100).decision == "promote"
+    d = decide(make_report(cand_router_p99_ms=850.0), max_router_p99_ms=100)
+    assert d.decision == "refuse" and d.decided_by == ["latency"]
+    assert d.reasons == ["latency: candidate router p99 850.0 ms over the limit 100 ms (n=10)"]
+    assert decide(make_report(cand_router_p99_ms=None), max_router_p99_ms=100).decided_by == ["latency"]  # unmeasured
+
+
+def test_a_dearer_router_must_pay_for_itself_in_quality():
+    # deployed costs 0.001; the candidate 0.002 and beats it by 0.05 human / 0.2 judge
+    assert decide(make_report(cand_cost=0.002), cost_min_gain=0.04).decision == "promote"  # both gains >= 0.04
+    d = decide(make_report(cand_cost=0.002), cost_min_gain=0.06)  # the human gain (0.05) is not enough
+    assert d.decision == "refuse" and d.decided_by == ["cost"]
+    assert "cost: candidate 0.00200 USD/query higher than deployed (router@2) 0.00100" in d.reasons[0]
+    assert decide(make_report(cand_cost=0.002, deployed_name=None)).decision == "promote"  # nothing deployed
+
+
+def test_the_decision_names_every_rule_that_refused():
+    d = decide(make_report(cand=(0.45, 2.0), cand_cost=0.01, cand_router_p99_ms=900.0), max_router_p99_ms=100)
+    assert d.decided_by == ["cost", "latency", "quality"] and len(d.reasons) == 4  # human fails twice
 
 
 class FakePublisher:
