@@ -38,7 +38,12 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
     p.add_argument("--router-url", default="http://127.0.0.1:8001",
                    help="OpenAI-compatible server of the adapters (the CPU sampler or vLLM)")
     p.add_argument("--router-timeout", type=float, default=2.0, help="deadline of one router call, seconds")
-    p.add_argument("--router-max-tokens", type=int, default=48, help="greedy tokens the router may write")
+    p.add_argument("--router-max-tokens", type=int, default=48, help="greedy tokens the router may write (generate)")
+    p.add_argument("--router-mode", choices=("score", "generate"), default="score",
+                   help="score: one completions call scores every provider name (vLLM prompt_logprobs), and the "
+                        "candidate's cost-quality curve over λ is drawn; generate: the router writes its ordering")
+    p.add_argument("--cost-weight", type=_non_negative, default=0.0,
+                   help="λ of the routers' rows: choose by P(best) − λ · cost per call in USD (scoring mode)")
     p.add_argument("--max-attempts", type=int, default=2, help="providers tried per query (failover)")
     p.add_argument("--concurrency", type=int, default=1, help="router and judge calls in flight")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
@@ -90,7 +95,8 @@ def _options(args: argparse.Namespace):
     return EvalOptions(train_episodes=args.train_episodes, candidate=args.candidate, deployed=args.deployed,
                        publisher_url=args.publisher_url, router_url=args.router_url, traces_file=args.traces,
                        since=args.since, until=args.until, router_timeout_s=args.router_timeout,
-                       router_max_tokens=args.router_max_tokens, max_attempts=args.max_attempts,
+                       router_max_tokens=args.router_max_tokens, router_mode=args.router_mode,
+                       cost_weight=args.cost_weight, max_attempts=args.max_attempts,
                        concurrency=args.concurrency, seed=args.seed, resamples=args.bootstrap,
                        progress=not args.no_progress)
 

@@ -247,7 +247,9 @@ def render(report: FrontierReport) -> str:
     r, num = report, (lambda v, fmt: "-" if v is None else format(v, fmt))
     lines = [(f"{r.measure}: cost-quality over [{r.cost_range[0]:.4g}, {r.cost_range[1]:.4g}] USD/query; "
               f"weak {r.weak}, strong {r.strong}"), f"{'λ':>10} {'cost/q $':>10} {'quality':>8}"]
-    lines += [f"{p.lam:>10.4g} {p.cost:>10.5f} {p.quality:>8.3f}" for p in r.router]
+    shown = [p for i, p in enumerate(r.router) if i == 0 or (p.cost, p.quality) != (r.router[i - 1].cost,
+                                                                                   r.router[i - 1].quality)]
+    lines += [f"{p.lam:>10.4g} {p.cost:>10.5f} {p.quality:>8.3f}" for p in shown]  # a repeat: the λ it starts at
     lines += [f"{'':>10} {s.cost:>10.5f} {s.quality:>8.3f}  {s.name}" for s in (*r.singles, *r.baselines)]
     lines.append(f"AIQ router {r.aiq_router:.4f} vs mixing {r.aiq_mixing:.4f} ({r.aiq_router - r.aiq_mixing:+.4f})")
     if r.gap_note:

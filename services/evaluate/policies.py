@@ -52,6 +52,7 @@ class RouterCall:
     router_ms: float = 0.0
     raw: str = ""
     error: str = ""
+    scores: dict[str, float] | None = None  # the scoring router: each provider's summed log-probability
 
 
 @dataclass(frozen=True)

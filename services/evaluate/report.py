@@ -12,6 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.evaluate.baseline import BestSingle
 from services.evaluate.inputs import EvalInputError
+from services.evaluate.frontier import FrontierReport
+from services.evaluate.frontier import plot as plot_frontier
+from services.evaluate.frontier import render as render_frontier
 from services.evaluate.metrics import MEASURES, Paired, PolicyMetrics
 from services.evaluate.policies import POLICIES, Outcome
 
@@ -94,6 +97,8 @@ class EvalReport(BaseModel):
     policies: dict[str, PolicyMetrics]
     comparisons: list[Paired]
     queries: list[QueryRow] = Field(default_factory=list)
+    frontier: dict[str, FrontierReport] = Field(
+        default_factory=dict, description="Measure → the candidate's cost-quality curve over λ (scoring routers)")
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-query rows (the evidence stored beside a promotion)."""
@@ -161,6 +166,8 @@ def render(report: EvalReport) -> str:
         ci = f" [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}]" if c.ci95 else ""
         lines.append(f"{c.a} - {c.b} on {c.measure}: {_num(c.mean_diff, '+.3f')}{ci} over {c.n} "
                      f"(wins/ties/losses {c.wins}/{c.ties}/{c.losses})")
+    for curve in report.frontier.values():
+        lines += ["", f"candidate over λ, {render_frontier(curve)}"]
     return "\n".join(lines)
 
 
@@ -187,4 +194,6 @@ def write_plot(report: EvalReport, out_dir: Path) -> Path:
     path = out_dir / "cost_quality.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    if report.frontier:
+        plot_frontier(list(report.frontier.values()), out_dir / "frontier.png")
     return path

@@ -10,7 +10,7 @@ from schemas.trace import Trace
 from services.common.progress import gather_bounded
 from services.evaluate.inputs import EvalInputError
 from services.evaluate.policies import RouterCall
-from services.router.client import RouterClient, RouterError, RouterUnparseable
+from services.router.client import RouterClient, RouterError, RouterMode, RouterUnparseable
 
 _SERVED = re.compile(r"^(?P<model_id>[^@\s]+)(?:@(?P<version>\d+))?$")
 #: Generous: a sampler fetches an adapter it does not hold yet from the publisher before answering.
@@ -25,9 +25,10 @@ def split_served_name(name: str) -> tuple[str, int | None]:
     return m["model_id"], int(m["version"]) if m["version"] else None
 
 
-async def probe(router_url: str, model: str, providers: Sequence[str], query: str) -> None:
+async def probe(router_url: str, model: str, providers: Sequence[str], query: str, *,
+                mode: RouterMode = "generate") -> None:
     """One 1-token request: an unknown adapter (the server's 404) or an unreachable server is bad input."""
-    async with RouterClient(router_url, timeout_s=PROBE_TIMEOUT_S, max_tokens=1) as client:
+    async with RouterClient(router_url, timeout_s=PROBE_TIMEOUT_S, max_tokens=1, mode=mode) as client:
         try:
             await client.route(model, providers, query)
         except RouterUnparseable:
@@ -53,7 +54,8 @@ async def ask_all(client: RouterClient, model: str, traces: Sequence[Trace], *, 
         except RouterError as exc:
             return t.trace_id, RouterCall(error_kind=exc.kind, router_ms=_ms(t0), raw=getattr(exc, "raw", ""),
                                           error=str(exc))
-        return t.trace_id, RouterCall(ordering=answer.ordering, router_ms=_ms(t0), raw=answer.raw)
+        return t.trace_id, RouterCall(ordering=answer.ordering, router_ms=_ms(t0), raw=answer.raw,
+                                      scores=answer.scores)
 
     return dict(await gather_bounded(one, traces, concurrency=concurrency, desc=f"route {model}", unit="q",
                                      progress=progress))

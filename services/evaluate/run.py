@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.trace import Trace
 from services.evaluate import policies as pol
 from services.evaluate.baseline import choose_best_single
+from services.evaluate.curves import candidate_curves, per_domain_choice
 from services.evaluate.inputs import (
     EvalInputError,
     held_out,
@@ -39,6 +40,9 @@ class EvalOptions(BaseModel):
     until: datetime | None = None
     router_timeout_s: float = Field(default=2.0, gt=0, le=600)
     router_max_tokens: int = Field(default=48, ge=1, le=1024)
+    router_mode: Literal["score", "generate"] = Field(default="score", description="How the routers are asked")
+    cost_weight: float = Field(default=0.0, ge=0, le=1e6,
+                               description="λ of the routers' rows: P(best) − λ · cost (the curve sweeps λ)")
     max_attempts: int = Field(default=2, ge=1, le=32)
     concurrency: int = Field(default=1, ge=1, le=256)
     seed: int = 0
@@ -87,6 +91,8 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
     scored, judge = await _score(opts, settings, held.traces)
     outcomes, rows = replay(scored, adapters, calls, best.provider, opts.max_attempts)
     metrics, comparisons = summarise(outcomes, adapters, seed=opts.seed, resamples=opts.resamples)
+    curves = candidate_curves(scored, calls[opts.candidate], metrics, best.provider,
+                              per_domain_choice(episodes, traces, best.provider))
     inputs = EvalInputs(
         traces_source=source, traces_read=held.read, traces_unreadable=unreadable, excluded=held.excluded,
         held_out=len(held.traces), human_queries=sum(q.human is not None for q in scored),
@@ -97,7 +103,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         router_max_tokens=opts.router_max_tokens, max_attempts=opts.max_attempts, judge=judge,
         best_single=best, seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
-                      queries=rows)
+                      queries=rows, frontier=curves)
 
 
 async def _traces(opts: EvalOptions, settings: JudgeSettings) -> tuple[list[Trace], int, str]:
@@ -118,17 +124,32 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
     first = traces[0]
     providers = [c.provider for c in first.candidates]
     for name in names:
-        await probe(opts.router_url, name, providers, first.query)
+        await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     calls: dict[str, dict[str, RouterCall]] = {}
-    async with RouterClient(opts.router_url, timeout_s=opts.router_timeout_s,
-                            max_tokens=opts.router_max_tokens) as client:
+    async with RouterClient(opts.router_url, timeout_s=opts.router_timeout_s, max_tokens=opts.router_max_tokens,
+                            mode=opts.router_mode) as client:
         for name in names:
-            calls[name] = await ask_all(client, name, traces, concurrency=opts.concurrency, progress=opts.progress)
+            calls[name] = with_cost_weight(
+                await ask_all(client, name, traces, concurrency=opts.concurrency, progress=opts.progress),
+                traces, opts.cost_weight)
             if any(c.error_kind == "router_error" for c in calls[name].values()):
                 # An error may be the router's or the server's: a server that went away (or stopped
                 # serving the adapter) spoils the measurement rather than measuring the router.
-                await probe(opts.router_url, name, providers, first.query)
+                await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     return calls
+
+
+def with_cost_weight(calls: dict[str, RouterCall], traces: list[Trace], cost_weight: float) -> dict[str, RouterCall]:
+    """Scored calls re-ordered by P(best) − λ · cost, each provider's cost as its trace says (what the
+    gateway does with the same scores)."""
+    from dataclasses import replace
+
+    from services.router.scoring import decide
+
+    by_id = {t.trace_id: t for t in traces}
+    return {tid: replace(c, ordering=decide(c.scores, {x.provider: x.cost_usd for x in by_id[tid].candidates},
+                                            cost_weight)) if c.scores and c.error_kind is None else c
+            for tid, c in calls.items()}
 
 
 async def _score(opts: EvalOptions, settings: JudgeSettings,

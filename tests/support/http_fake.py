@@ -183,5 +183,27 @@ def router_app(answer: Answer, models: Sequence[str]) -> Starlette:
     return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
 
 
+Score = Callable[[str, str, str], float]
+_ASSISTANT = "<|im_start|>assistant\n"
+
+
+def scoring_router_app(score: Score, models: Sequence[str]) -> Starlette:
+    """``POST /v1/completions`` for scoring requests (one ChatML prompt per provider name,
+    ``prompt_logprobs``), in vLLM's response shape: ``score(model, query, name)`` is each name's log-score."""
+
+    async def completions(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        model = body["model"]
+        if model not in models:
+            return JSONResponse({"object": "error", "message": f"The model `{model}` does not exist.",
+                                 "type": "NotFoundError", "param": "model", "code": 404}, 404)
+        prompts = body["prompt"]
+        query = prompts[0].rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+        names = [p.rsplit(_ASSISTANT, 1)[1] for p in prompts]
+        return JSONResponse(scored_completion({n: score(model, query, n) for n in names}, model).body)
+
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+
 def router_server(answer: Answer, models: Sequence[str]) -> LoopbackServer:
     return LoopbackServer(router_app(answer, models), name="fake-router")

@@ -4,12 +4,14 @@ traces with real qrels; and its bad-input errors."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
 from services.cli import main
 from services.common.dataset import write_jsonl
-from tests.support.http_fake import router_server
+from tests.support.http_fake import router_server, scoring_router_app
+from tests.support.serving import LoopbackServer
 from tests.support.records import adi, adi_trace, candidate, episode, trace
 
 PROVIDERS = ("good", "cheap", "flaky")
@@ -41,7 +43,8 @@ def inputs(tmp_path):
 
 def _eval_args(inputs, router, *extra: str) -> list[str]:
     return ["eval", "--traces", str(inputs / "traces.jsonl"), "--train-episodes", str(inputs / "train.jsonl"),
-            "--router-url", router, "--out", str(inputs / "out"), "--no-progress", "--bootstrap", "200", *extra]
+            "--router-url", router, "--out", str(inputs / "out"), "--no-progress", "--bootstrap", "200",
+            "--router-mode", "generate", *extra]  # the fake router writes orderings
 
 
 def test_eval_end_to_end(inputs, router, capsys):
@@ -74,6 +77,35 @@ def test_eval_end_to_end(inputs, router, capsys):
     first = next(q for q in report["queries"] if q["trace_id"] == "adi-1")
     assert first["outcomes"]["candidate"]["called"] == ["good"]
     assert "candidate (router@2)" in out and "best_single (cheap)" in out and "fallbacks: unparseable 6" in out
+
+
+SCORES = {"good": math.log(0.7), "flaky": math.log(0.2), "cheap": math.log(0.1)}
+
+
+@pytest.fixture(scope="module")
+def scoring_router():
+    app = scoring_router_app(lambda model, query, name: SCORES[name], ["router@2"])
+    with LoopbackServer(app, name="fake-vllm") as server:
+        yield server.url().rstrip("/")
+
+
+def test_a_scoring_router_is_drawn_over_lambda_on_the_cost_quality_plane(inputs, scoring_router, capsys):
+    args = _eval_args(inputs, scoring_router, "--candidate", "router@2", "--deployed", "none")
+    assert main([a for a in args if a not in ("--router-mode", "generate")]) == 0  # scoring is the default
+    out = capsys.readouterr().out
+    report = json.loads((inputs / "out" / "eval.json").read_text())
+    assert report["policies"]["candidate"]["human"]["mean"] == pytest.approx(1.0)  # λ = 0: good, P 0.7
+    assert report["policies"]["candidate"]["router_p99_ms"] > 0
+    human = report["frontier"]["human"]
+    assert (human["weak"], human["strong"]) == ("cheap", "good")
+    first, last = human["router"][0], human["router"][-1]
+    assert first["lam"] == 0 and (first["cost"], first["quality"]) == pytest.approx((0.004, 1.0))
+    assert last["cost"] == pytest.approx(0.001)  # a large λ: always the cheapest provider
+    assert {b["name"] for b in human["baselines"]} >= {"best_single", "oracle", "judge_oracle", "fanout"}
+    assert 0 <= human["aiq_router"] <= 1 and human["apgr"] is not None and human["cpt80"] is not None
+    assert set(report["frontier"]) == {"human", "judge"}
+    assert (inputs / "out" / "frontier.png").read_bytes()[:4] == b"\x89PNG"
+    assert "candidate over λ, human: cost-quality" in out and "AIQ router" in out and "APGR" in out
 
 
 def test_router_server_errors_are_counted_fallbacks(inputs, router, capsys):
