@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="stop after the fan-out era (no training, evaluation, promotion or routing)")
     d.add_argument("--out", type=Path, default=None, help="report directory (default out/demo)")
     d.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running after")
+    d.add_argument("--market", choices=("federated", "nested"), default=None,
+                   help="the provider market (default: FANROUTE_MARKET, else federated); nested is the control "
+                        "where routing cannot pay, judged by the lexical local judge unless FANROUTE_JUDGE is set")
     d.set_defaults(func=_demo)
 
     r = sub.add_parser("replay", help="send the collections' queries through a running gateway")
@@ -61,8 +64,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import os
+
     from services.tools.demo import DemoOptions, run_demo
 
+    if args.market is not None:  # every service of the demo reads its settings from the environment
+        os.environ["FANROUTE_MARKET"] = args.market
+        if args.market == "nested" and "FANROUTE_JUDGE" not in os.environ:
+            # nested has dense providers embedding with the judge's model: the guard refuses that judge
+            os.environ["FANROUTE_JUDGE"] = '{"type": "local"}'
+            print("fanroute demo: market nested, judged by the lexical local judge", file=sys.stderr)
     if args.queries is not None and args.queries < 10 or not 0.05 <= args.held_out <= 0.9:
         print("fanroute demo: --queries must be at least 10 and --held-out within 0.05..0.9", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from schemas.trace import Route
 from services.cli import main
 from services.tools.demo_loop import held_out, render_routed, split
@@ -73,3 +75,29 @@ async def test_the_demo_gate_is_computed_on_the_validation_half_and_published():
     from services.judge.calibrate import against_qrels
 
     assert against_qrels(traces, judged).overall.tau_informative < 0.5  # all traces would have counted the wrong half
+
+
+@pytest.mark.parametrize(("market", "judge_env", "judge"), [
+    ("nested", None, '{"type": "local"}'),  # the embedding judge is refused on nested: the lexical one
+    ("nested", '{"type": "openai"}', '{"type": "openai"}'),  # an explicit judge is kept
+    ("federated", None, None),
+])
+def test_demo_market_flag_sets_the_market_every_service_reads(monkeypatch, market, judge_env, judge):
+    import os
+
+    import services.tools.demo as demo
+
+    seen = {}
+
+    async def fake_run_demo(opts):
+        seen.update(market=os.environ.get("FANROUTE_MARKET"), judge=os.environ.get("FANROUTE_JUDGE"))
+        return 0
+
+    monkeypatch.delenv("FANROUTE_MARKET", raising=False)  # touched here, so restored after the flag sets it
+    if judge_env is None:
+        monkeypatch.delenv("FANROUTE_JUDGE", raising=False)
+    else:
+        monkeypatch.setenv("FANROUTE_JUDGE", judge_env)
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--market", market]) == 0
+    assert seen == {"market": market, "judge": judge}
