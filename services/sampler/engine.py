@@ -78,6 +78,9 @@ class Engine:
         self.model = load_causal_lm(self.model_dir, getattr(torch, dtype)).eval()
         self._peft: Any = None  # peft.PeftModel wrapping self.model once the first adapter is loaded
         self.lock = threading.RLock()
+        self.prefix_cache: Any = None  # a scoring.PrefixCache, when the sampler scores prompts
+        self._active: tuple[str | None] | None = None  # (slot,) the forward passes go through; None: unknown
+        self._token_texts: dict[int, str] = {}
         context = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or context, context)
         self.eos_token_ids = self._eos_ids()
@@ -114,8 +117,11 @@ class Engine:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """One token as text (special tokens kept), as logprob entries name them."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token as text (special tokens kept), as logprob entries name them (memoised)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     # ---------------------------------------------------------------------- adapters
     @property
@@ -131,6 +137,7 @@ class Engine:
         t0 = time.perf_counter()
         with self.lock, model_loading(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft warns on every extra adapter: that is the point here
+            self._forget(slot)
             try:
                 if self._peft is None:
                     self._peft = PeftModel.from_pretrained(self.model, str(path), adapter_name=slot,
@@ -148,11 +155,27 @@ class Engine:
         """Free ``slot`` (no-op if it is not loaded)."""
         with self.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            self._forget(slot)
             if self._peft is not None and slot in self._peft.peft_config:
                 self._peft.delete_adapter(slot)
 
+    def _forget(self, slot: str) -> None:
+        """Drop what the prefix cache holds for ``slot`` (its weights are about to change) and forget
+        which slot is active (peft switches on loads and deletes)."""
+        self._active = None
+        if self.prefix_cache is not None:
+            self.prefix_cache.drop(slot)
+
     def _activate(self, slot: str | None) -> None:
-        """Route the next forward passes through ``slot``'s LoRA weights, or through the base alone."""
+        """Route the next forward passes through ``slot``'s LoRA weights, or through the base alone
+        (a no-op when it already is: peft walks every module to switch, ~10 ms on SmolLM2)."""
+        if self._active == (slot,):
+            return
+        self._active = None
+        self._switch(slot)
+        self._active = (slot,)
+
+    def _switch(self, slot: str | None) -> None:
         if self._peft is None:
             if slot is not None:
                 raise AdapterError(f"adapter slot {slot!r} is not loaded")
@@ -172,11 +195,7 @@ class Engine:
 
         t0 = time.perf_counter()
         gen = Generation(prompt_token_ids=list(prompt_ids), token_ids=[], logprobs=[])
-        rng = torch.Generator()
-        if params.seed is not None:
-            rng.manual_seed(params.seed)
-        else:
-            rng.seed()
+        rng = _rng(params.seed)
         stops = tuple(s for s in params.stop if s)
         with self.lock, torch.inference_mode():
             self._activate(slot)
@@ -184,15 +203,31 @@ class Engine:
             out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **self._keep_last, **kv)
             for _ in range(params.max_tokens):
                 logits_V = out.logits[0, -1].float()
-                logprobs_V = torch.log_softmax(logits_V, dim=-1)
-                token = _pick(logits_V, params, rng)
-                gen.token_ids.append(token)
-                gen.logprobs.append(float(logprobs_V[token]))
-                if params.logprobs is not None:
-                    gen.top_logprobs.append(_top_entries(logprobs_V, token, params.logprobs))
+                token = self._step(gen, logits_V, torch.log_softmax(logits_V, dim=-1), params, rng)
                 if self._finished(gen, token, params, stops):
                     break
                 out = self.model(input_ids=torch.tensor([[token]]), use_cache=True, **kv)
+        return self._done(gen, params, t0)
+
+    def first_token(self, prompt_ids: list[int], logprobs_V: Any, params: SamplingParams) -> Generation:
+        """What :meth:`generate` gives with ``max_tokens=1``, from the log-softmax row after the prompt
+        that a scoring pass already computed (softmax, greedy and the filters ignore the shift)."""
+        t0 = time.perf_counter()
+        gen = Generation(prompt_token_ids=list(prompt_ids), token_ids=[], logprobs=[])
+        token = self._step(gen, logprobs_V, logprobs_V, params, _rng(params.seed))
+        self._finished(gen, token, params, tuple(s for s in params.stop if s))
+        return self._done(gen, params, t0)
+
+    def _step(self, gen: Generation, logits_V: Any, logprobs_V: Any, params: SamplingParams, rng: Any) -> int:
+        """Pick the next token and record its raw logprob (and the alternatives asked for)."""
+        token = _pick(logits_V, params, rng)
+        gen.token_ids.append(token)
+        gen.logprobs.append(float(logprobs_V[token]))
+        if params.logprobs is not None:
+            gen.top_logprobs.append(_top_entries(logprobs_V, token, params.logprobs))
+        return token
+
+    def _done(self, gen: Generation, params: SamplingParams, t0: float) -> Generation:
         if not isinstance(gen.stop_reason, str):  # a stop string already cut the text
             gen.text = self.decode(gen.token_ids, skip_special_tokens=params.skip_special_tokens)
         gen.seconds = time.perf_counter() - t0
@@ -222,6 +257,17 @@ class Engine:
                 gen.text, gen.finish_reason, gen.stop_reason = text[:at], "stop", stop
                 return True
         return False
+
+
+def _rng(seed: int | None) -> Any:
+    import torch
+
+    rng = torch.Generator()
+    if seed is not None:
+        rng.manual_seed(seed)
+    else:
+        rng.seed()
+    return rng
 
 
 def _pick(logits_V: Any, params: SamplingParams, rng: Any) -> int:

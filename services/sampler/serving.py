@@ -17,6 +17,7 @@ from schemas.adapter import parse_versioned
 from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import TransientError
+from services.sampler.batching import ScoreBatcher, ScoreJob
 from services.sampler.engine import Engine, Generation, SamplingParams
 from services.sampler.registry import (
     AdapterEntry,
@@ -25,6 +26,7 @@ from services.sampler.registry import (
     AdapterUnavailable,
     check_adapter_dir,
 )
+from services.sampler.scoring import PrefixCache, Scored, Scorer
 from services.sampler.settings import SamplerSettings
 from services.sampler.wire import (
     ApiError,
@@ -55,6 +57,12 @@ class SamplerMetrics:
         self.adapter_events = Counter("fanroute_sampler_adapter_events", "Adapter loads, evictions, refusals",
                                       ["event"], registry=self.registry)
         self.resident = Gauge("fanroute_sampler_adapters_resident", "Adapters in memory", registry=self.registry)
+        self.score_batch = Histogram("fanroute_sampler_score_batch_requests", "Requests scored by one batch",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
+        self.score_seconds = Histogram("fanroute_sampler_score_seconds", "Time of one scoring batch",
+                                       registry=self.registry)
+        self.score_forwards = Counter("fanroute_sampler_score_forwards", "Scoring forwards by prefix-cache outcome",
+                                      ["cache"], registry=self.registry)
 
 
 class Sampler:
@@ -72,6 +80,9 @@ class Sampler:
                                     accept_base_models=settings.accept_base_models)
         self.metrics = SamplerMetrics()
         self._slots = 0
+        self.scorer: Scorer | None = None
+        self.batcher = ScoreBatcher(self._score_locked, max_batch=settings.score_max_batch,
+                                    wait_s=settings.score_batch_wait_ms / 1000)
 
     @property
     def model_name(self) -> str:
@@ -83,6 +94,11 @@ class Sampler:
             s = self.settings
             self.engine = await asyncio.to_thread(Engine, s.base_model, dtype=s.dtype,
                                                   max_model_len=s.max_model_len, threads=s.threads)
+        s = self.settings
+        if self.engine.prefix_cache is None:  # an engine shared by two samplers keeps one cache
+            self.engine.prefix_cache = PrefixCache(s.prefix_cache_entries, s.prefix_cache_min_tokens)
+        self.scorer = Scorer(self.engine, self.engine.prefix_cache, top_k_cached=s.max_logprobs,
+                             max_forward_tokens=s.score_max_forward_tokens, row_tokens=s.score_row_tokens)
         restored = self.worker.restore()
         if restored:
             log.info("restored %d verified adapter versions from %s", restored, self.settings.adapter_cache_dir)
@@ -91,6 +107,7 @@ class Sampler:
             await self.bus.start((topic("adapters"),))
 
     async def stop(self) -> None:
+        await self.batcher.stop()
         if self.settings.consume_adapters:
             await self.bus.stop()
 
@@ -218,6 +235,43 @@ class Sampler:
         with self.eng.lock:
             slot = self._resident_slot(entry) if entry is not None else None
             return self.eng.generate(prompt_ids, params, slot=slot)
+
+    async def score(self, entry: AdapterEntry | None, prompts: list[list[int]], k: int,
+                    params: list[SamplingParams]) -> list[tuple[Scored, Generation]]:
+        """Every prompt token's logprob (``k`` alternatives each) and the generation after each prompt:
+        scored together with concurrent requests for the same adapter; a ``max_tokens`` of 1 is drawn
+        from the scoring pass's last row, a longer one generated as usual."""
+        scored = await self.batcher.score(entry, prompts, [k] * len(prompts))
+        out = []
+        for ids, sc, p in zip(prompts, scored, params):
+            if p.max_tokens == 1:
+                gen = self.eng.first_token(ids, sc.row, p)
+                self.metrics.tokens.labels("completion").inc(len(gen.token_ids))
+            else:
+                gen = await self.generate(entry, ids, p)
+            out.append((sc, gen))
+        return out
+
+    def _score_locked(self, entry: AdapterEntry | None, jobs: list[ScoreJob]) -> list[list[Scored]]:
+        """One batch of scoring jobs (same adapter), in a worker thread, holding the engine's lock."""
+        if self.scorer is None:
+            raise RuntimeError("the sampler has not started: no scorer")
+        with self.eng.lock:
+            slot = self._resident_slot(entry) if entry is not None else None
+            scored, info = self.scorer.score([p for j in jobs for p in j.prompts],
+                                             [k for j in jobs for k in j.ks], slot)
+        self.metrics.score_batch.observe(len(jobs))
+        self.metrics.tokens.labels("prompt").inc(info.prompt_tokens)
+        self.metrics.tokens.labels("prompt_reused").inc(info.reused_tokens)
+        self.metrics.tokens.labels("prompt_forwarded").inc(info.forwarded_tokens)
+        for outcome in info.cache:
+            self.metrics.score_forwards.labels(outcome).inc()
+        self.metrics.score_seconds.observe(info.seconds)
+        out, at = [], 0
+        for j in jobs:
+            out.append(scored[at:at + len(j.prompts)])
+            at += len(j.prompts)
+        return out
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int | None, param: str) -> int:
         """Validate token ids and length; returns the max_tokens to use (vLLM's context-length rules)."""

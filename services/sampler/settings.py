@@ -32,6 +32,21 @@ class SamplerSettings(ServiceSettings):
     max_logprobs: int = Field(default=20, ge=0, le=1000, description="Most alternatives per token (vLLM: 20)")
     max_stop_strings: int = Field(default=16, ge=0, le=256, description="Most stop strings per request")
     max_prompts: int = Field(default=8, ge=1, le=256, description="Most prompts in one batched completion")
+    score_max_batch: int = Field(
+        default=32, ge=1, le=1024,
+        description="Most concurrent prompt_logprobs requests (one adapter) scored together in one forward")
+    score_batch_wait_ms: float = Field(
+        default=2.0, ge=0, le=1000,
+        description="How long a scoring batch waits for more requests before its forward (ms)")
+    score_max_forward_tokens: int = Field(default=4096, ge=16, le=1_048_576,
+                                          description="Most new prompt tokens in one scoring forward")
+    score_row_tokens: int = Field(default=192, ge=8, le=65_536,
+                                  description="Tokens per packed row of a scoring forward (shorter rows, "
+                                              "cheaper attention; longer, less padding)")
+    prefix_cache_entries: int = Field(default=8, ge=0, le=4096,
+                                      description="Token prefixes whose keys/values scoring keeps (0 = off)")
+    prefix_cache_min_tokens: int = Field(default=16, ge=1, le=1_048_576,
+                                         description="Shortest prefix worth keeping in the prefix cache")
     max_body_bytes: int = Field(default=4_000_000, ge=1024, le=100_000_000, description="Largest request body")
     max_resident_adapters: int = Field(default=4, ge=1, le=256,
                                        description="LoRA adapters held in memory at once (vLLM: --max-loras)")

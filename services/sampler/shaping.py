@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from services.sampler.engine import Engine, Generation, PromptError, SamplingParams
+from services.sampler.scoring import Scored
 from services.sampler.serving import Sampler
 from services.sampler.settings import SamplerSettings
 from services.sampler.wire import (
@@ -72,6 +73,27 @@ def chat_logprobs(engine: Engine, gen: Generation, k: int, as_ids: bool) -> dict
                         for t, lp, step in zip(gen.token_ids, gen.logprobs, gen.top_logprobs)]}
 
 
+def prompt_logprobs(engine: Engine, scored: Scored) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``PromptLogprobs``: None for the first token, then ``{token_id: Logprob}`` per position
+    (the actual token first, with its vocabulary rank; then the top-k with ranks 1..k)."""
+    return [None if entry is None else
+            {str(t): {"logprob": max(lp, LOGPROB_FLOOR), "rank": rank, "decoded_token": engine.token_text(t)}
+             for t, lp, rank in entry}
+            for entry in scored.prompt_logprobs]
+
+
+def check_prompt_logprobs(k: int | None, settings: SamplerSettings) -> None:
+    """vLLM's bounds: a count from 0 to max_logprobs (its -1, the whole vocabulary, is not served)."""
+    if k is None:
+        return
+    if k < 0:
+        raise bad_request(f"prompt_logprobs: must be >= 0, got {k} (-1, the whole vocabulary, is not served)",
+                          "prompt_logprobs")
+    if k > settings.max_logprobs:
+        raise bad_request(f"prompt_logprobs: requested {k}, which is greater than the max allowed "
+                          f"{settings.max_logprobs}", "prompt_logprobs")
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -102,22 +124,27 @@ async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any
     """``/v1/completions`` → vLLM's ``CompletionResponse`` (one choice per prompt)."""
     if req.echo:
         raise bad_request("echo: echoing the prompt is not served by the CPU sampler", "echo")
+    check_prompt_logprobs(req.prompt_logprobs, s.settings)
     entry = await s.resolve(req.model)
     prompts = _prompts(req, s.eng, s.settings.max_prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else s.settings.default_max_tokens
-    plans = [(ids, s.check_prompt(ids, max_tokens, "prompt")) for ids in prompts]
+    plans = [(ids, sampling_params(req, s.settings, s.check_prompt(ids, max_tokens, "prompt"), req.logprobs))
+             for ids in prompts]
+    if req.prompt_logprobs is None:
+        done = [(None, await s.generate(entry, ids, params)) for ids, params in plans]
+    else:  # one scoring pass for every prompt (batched with concurrent requests), then the tokens
+        done = await s.score(entry, [ids for ids, _ in plans], req.prompt_logprobs, [p for _, p in plans])
     choices, n_prompt, n_completion = [], 0, 0
-    for index, (ids, mt) in enumerate(plans):
-        gen = await s.generate(entry, ids, sampling_params(req, s.settings, mt, req.logprobs))
+    for index, (scored, gen) in enumerate(done):
         choices.append({
             "index": index, "text": gen.text,
             "logprobs": completion_logprobs(s.eng, gen, bool(req.return_tokens_as_token_ids))
             if req.logprobs is not None else None,
             "finish_reason": gen.finish_reason, "stop_reason": gen.stop_reason,
             "token_ids": gen.token_ids if req.return_token_ids else None,
-            "prompt_logprobs": None,
+            "prompt_logprobs": prompt_logprobs(s.eng, scored) if scored is not None else None,
             "prompt_token_ids": gen.prompt_token_ids if req.return_token_ids else None})
-        n_prompt, n_completion = n_prompt + len(ids), n_completion + len(gen.token_ids)
+        n_prompt, n_completion = n_prompt + len(gen.prompt_token_ids), n_completion + len(gen.token_ids)
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": req.model or s.model_name, "choices": choices, "usage": _usage(n_prompt, n_completion)}
 

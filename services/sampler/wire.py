@@ -68,11 +68,15 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``: one prompt (text or token ids) or a list of them."""
+    """``POST /v1/completions``: one prompt (text or token ids) or a list of them; ``prompt_logprobs``
+    scores the prompt tokens too (vLLM's ``CompletionRequest.prompt_logprobs``)."""
 
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0)
+    prompt_logprobs: StrictInt | None = Field(
+        default=None, description="vLLM's extra parameter: every prompt token's logprob, rank and this many "
+                                  "alternatives (0 = the actual token only); checked against max_logprobs")
     echo: StrictBool | None = Field(default=False, description="Echoing the prompt is not served")
 
 

@@ -1,0 +1,250 @@
+"""Benchmark: the router's decision latency, generating an ordering vs scoring the candidates, same run.
+
+The CPU sampler (``services.sampler.app.create_app``) serves SmolLM2-135M-Instruct in this process
+(uvicorn on a free loopback port), with a freshly initialised LoRA adapter loaded as ``router@1``
+(r=8, alpha=16, q/k/v/o: the trainer's defaults; LoRA's B starts at zero, so its numbers are the
+base model's, its cost is an adapter's) unless ``--no-adapter`` (the base model). Two paths decide
+the provider for the same queries (``sample_queries(seed=0)``), closed loop, at each concurrency:
+
+* ``generate`` (today's router): ``POST /v1/chat/completions`` with the router's messages
+  (``services.router.client.chat_request``), ``--gen-tokens`` greedy tokens; the decision is the
+  first provider the reply names.
+* ``score``: one ``POST /v1/completions`` with K prompts, the chat template's rendering of the same
+  messages (``add_generation_prompt=True``) followed by each provider name of the market,
+  ``max_tokens=1, temperature=0, prompt_logprobs=0``; the decision is the provider whose name's
+  tokens have the highest summed logprob.
+
+Latency is client-side per decision (HTTP included); ``--warmup`` decisions per path and level are
+not measured. Reports p50/p99 per path and level and the ratio generate/score, as a table and as
+JSON (bench/results/router_decision.json), with the load average before and after.
+
+    python bench/router_decision.py --decisions 200 --concurrency 1,20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import aiohttp
+import numpy as np
+
+PATHS = ("generate", "score")
+LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def pct(values: list[float]) -> dict[str, float]:
+    a = np.asarray(values, dtype=float)
+    return {"n": len(a), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean()), "max": float(a.max())}
+
+
+def fresh_adapter(base: str, out: Path, seed: int = 0) -> Path:
+    """A freshly initialised LoRA adapter on ``base`` (peft's init: B = 0), saved to ``out``."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from services.models.load import load_causal_lm
+
+    torch.manual_seed(seed)
+    model = get_peft_model(load_causal_lm(base, torch.float32), LoraConfig(task_type="CAUSAL_LM", **LORA))
+    model.save_pretrained(str(out))
+    return out
+
+
+def score_decision(choices: list[dict[str, Any]], names: list[str], prefix_len: int) -> str:
+    """The provider whose name (the prompt tokens after ``prefix_len``) has the highest summed logprob."""
+    def total(choice: dict[str, Any]) -> float:
+        entries = choice["prompt_logprobs"][prefix_len:]
+        return sum(next(iter(e.values()))["logprob"] for e in entries)  # the actual token comes first
+    return names[max(range(len(names)), key=lambda i: total(choices[i]))]
+
+
+class Case:
+    """One query, ready for both paths: the chat body, the K completion prompts and the prefix length."""
+
+    def __init__(self, tokenizer: Any, model: str, names: list[str], query: str, gen_tokens: int) -> None:
+        from services.common.prompt import router_messages
+        from services.router.client import chat_request
+
+        self.chat = chat_request(model, names, query, gen_tokens)
+        text = tokenizer.apply_chat_template(router_messages(names, query), add_generation_prompt=True,
+                                             tokenize=False)
+        self.score = {"model": model, "prompt": [text + n for n in names], "max_tokens": 1, "temperature": 0,
+                      "prompt_logprobs": 0}
+        self.prefix_len = len(tokenizer.encode(text))
+
+
+async def decide(http: aiohttp.ClientSession, base: str, path: str, case: Case,
+                 names: list[str]) -> tuple[float, str | None, int]:
+    """One decision: (latency ms, the provider chosen or None, completion tokens)."""
+    from services.router.parse import UnparseableOrdering, parse_ordering
+
+    t0 = time.perf_counter()
+    url, body = (("/v1/chat/completions", case.chat) if path == "generate" else ("/v1/completions", case.score))
+    async with http.post(base + url, json=body) as r:
+        data = await r.json()
+        if r.status != 200:
+            raise RuntimeError(f"{path}: HTTP {r.status}: {data}")
+    if path == "generate":
+        try:
+            choice = parse_ordering(data["choices"][0]["message"]["content"], names).ordering[0]
+        except (UnparseableOrdering, IndexError):
+            choice = None
+    else:
+        choice = score_decision(data["choices"], names, case.prefix_len)
+    ms = (time.perf_counter() - t0) * 1000.0
+    return ms, choice, int(data["usage"]["completion_tokens"])
+
+
+async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: list[Case], names: list[str],
+                      concurrency: int, progress_every: int) -> dict[str, Any]:
+    """``len(cases)`` decisions by ``concurrency`` workers, each sending its next one as soon as it has an answer."""
+    queue = list(enumerate(cases))
+    lat: list[float] = []
+    chosen: list[str | None] = []
+    tokens: list[int] = []
+    t0 = time.perf_counter()
+
+    async def worker() -> None:
+        while queue:
+            _, case = queue.pop(0)
+            ms, choice, n = await decide(http, base, path, case, names)
+            lat.append(ms)
+            chosen.append(choice)
+            tokens.append(n)
+            if progress_every and len(lat) % progress_every == 0:
+                print(f"  [{path} c={concurrency}] {len(lat)}/{len(cases)} decisions, "
+                      f"p50 so far {np.percentile(lat, 50):.0f} ms", file=sys.stderr, flush=True)
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {**pct(lat), "decisions_per_s": len(lat) / wall, "wall_s": wall,
+            "completion_tokens_mean": float(np.mean(tokens)),
+            "undecided": sum(c is None for c in chosen)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from services.common.settings import KafkaSettings
+    from services.providers.collections import sample_queries
+    from services.providers.markets import market
+    from services.sampler.app import create_app
+    from services.sampler.serving import Sampler
+    from services.sampler.settings import SamplerSettings
+    from services.tools.serving import free_port, served
+
+    names = [p.name for p in market(args.market)]
+    settings = SamplerSettings(base_model=args.base, served_model_name="base", threads=args.threads,
+                               dtype=args.dtype, consume_adapters=False, score_batch_wait_ms=args.batch_wait_ms,
+                               adapter_cache_dir=Path(tempfile.mkdtemp(prefix="bench-rd-cache-")),
+                               kafka=KafkaSettings(bootstrap_servers="memory://"))
+    sampler = Sampler(settings)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    out: dict[str, Any] = {"model": args.base, "dtype": args.dtype, "market": args.market, "providers": names,
+                           "adapter": None if args.no_adapter else {"kind": "fresh LoRA (B=0)", **LORA},
+                           "gen_tokens": args.gen_tokens, "paths": args.paths, "decisions": args.decisions,
+                           "warmup": args.warmup,
+                           "concurrency": levels, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
+                           "settings": {k: getattr(settings, k) for k in (
+                               "score_max_batch", "score_batch_wait_ms", "score_max_forward_tokens",
+                               "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens")}}
+    async with served(create_app(settings, sampler=sampler), free_port(), what="sampler") as base:
+        out["torch_threads"] = torch.get_num_threads()
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as http:
+            model = "base"
+            if not args.no_adapter:
+                path = fresh_adapter(args.base, Path(tempfile.mkdtemp(prefix="bench-rd-lora-")) / "router")
+                async with http.post(base + "/v1/load_lora_adapter",
+                                     json={"lora_name": "router@1", "lora_path": str(path)}) as r:
+                    assert r.status == 200, await r.text()
+                model = "router@1"
+            queries = [q.text for q in sample_queries(limit=args.decisions + args.warmup, seed=0)]
+            tok = sampler.eng.tokenizer
+            cases = [Case(tok, model, names, q, args.gen_tokens) for q in queries]
+            out["score_prompt_tokens_mean"] = float(np.mean([c.prefix_len for c in cases]))
+            results: dict[str, dict[str, Any]] = {}
+            for level in levels:
+                for path in args.paths:
+                    print(f"{path} at concurrency {level}: {args.warmup} warm-up + {args.decisions} decisions",
+                          file=sys.stderr, flush=True)
+                    await closed_loop(http, base, path, cases[:args.warmup], names, min(level, args.warmup or 1), 0)
+                    results[f"{path}@{level}"] = await closed_loop(http, base, path, cases[args.warmup:], names,
+                                                                   level, args.progress)
+            out["results"] = results
+            out["ratio_generate_over_score"] = {
+                str(level): {q: results[f"generate@{level}"][q] / results[f"score@{level}"][q]
+                             for q in ("p50", "p99")} for level in levels} if len(args.paths) == 2 else {}
+            m = sampler.metrics.registry
+            out["sampler"] = {
+                "score_batches": m.get_sample_value("fanroute_sampler_score_batch_requests_count"),
+                "score_requests": m.get_sample_value("fanroute_sampler_score_batch_requests_sum"),
+                "prefix_cache": {o: m.get_sample_value("fanroute_sampler_score_forwards_total", {"cache": o})
+                                 for o in ("hit", "partial", "miss")},
+                "prompt_tokens": m.get_sample_value("fanroute_sampler_tokens_total", {"kind": "prompt"}),
+                "prompt_tokens_reused": m.get_sample_value("fanroute_sampler_tokens_total",
+                                                           {"kind": "prompt_reused"}),
+                "prompt_tokens_forwarded": m.get_sample_value("fanroute_sampler_tokens_total",
+                                                              {"kind": "prompt_forwarded"})}
+            out["sampler"]["forwarded_tokens_per_decision"] = (out["sampler"]["prompt_tokens_forwarded"] or 0) \
+                / max(1.0, out["sampler"]["score_requests"] or 0)
+    out["loadavg_after"] = os.getloadavg()
+    return out
+
+
+def report(out: dict[str, Any]) -> None:
+    print(f"\nrouter decision latency, {out['model']} ({out['dtype']}), "
+          f"{'adapter: ' + out['adapter']['kind'] if out['adapter'] else 'base model'}, {out['cpus']} CPUs, "
+          f"{out['torch_threads']} torch threads, load {out['loadavg_before'][0]:.2f} -> {out['loadavg_after'][0]:.2f}")
+    print(f"{'path':<10}{'conc':>5}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'dec/s':>8}{'out tok':>8}")
+    for level in out["concurrency"]:
+        for path in [p for p in PATHS if f"{p}@{level}" in out["results"]]:
+            r = out["results"][f"{path}@{level}"]
+            print(f"{path:<10}{level:>5}{r['p50']:>10.0f}{r['p99']:>10.0f}{r['mean']:>10.0f}"
+                  f"{r['decisions_per_s']:>8.1f}{r['completion_tokens_mean']:>8.1f}")
+        ratio = out["ratio_generate_over_score"].get(str(level))
+        if ratio:
+            print(f"{'ratio':<10}{level:>5}{ratio['p50']:>9.1f}x{ratio['p99']:>9.1f}x   (generate / score)")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decisions", type=int, default=200, help="measured decisions per path and concurrency")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--concurrency", default="1,20", help="comma-separated closed-loop concurrencies")
+    p.add_argument("--gen-tokens", type=int, default=8, help="greedy tokens of the generate path")
+    p.add_argument("--market", default="federated")
+    p.add_argument("--paths", default="generate,score", type=lambda v: [x for x in PATHS if x in v.split(",")],
+                   help="which paths to run (both, for the ratio)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the sampler's score_batch_wait_ms")
+    p.add_argument("--no-adapter", action="store_true", help="serve the base model, no LoRA")
+    p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
+    p.add_argument("--progress", type=int, default=50, help="progress line every N decisions (0: none)")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router_decision.json")
+    args = p.parse_args(argv)
+    if args.base is None:
+        from services.models.prepare import prepare_base
+
+        args.base = str(prepare_base())
+    out = asyncio.run(run(args))
+    report(out)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Smoke test of bench/router_decision.py on the tiny model: both paths at two concurrencies, the
+decisions named, the ratio reported. No timing is asserted (speed is for the benchmark to report)."""
+
+from __future__ import annotations
+
+import json
+
+from bench.router_decision import main, score_decision
+from tests.support.tiny_model import build_tiny_model
+
+
+def test_score_decision_sums_the_candidate_tokens():
+    def choice(*lps):
+        return {"prompt_logprobs": [None, {"5": {"logprob": -1.0, "rank": 1, "decoded_token": "x"}}]
+                + [{str(i): {"logprob": lp, "rank": 2, "decoded_token": "y"}} for i, lp in enumerate(lps)]}
+    assert score_decision([choice(-0.5, -0.5), choice(-0.9), choice(-0.2, -2.0)], ["a", "b", "c"], 2) == "b"
+
+
+def test_a_short_run_reports_both_paths(tmp_path):
+    base = build_tiny_model(tmp_path / "tiny", context=4096)
+    out_path = tmp_path / "router_decision.json"
+    main(["--base", str(base), "--decisions", "3", "--warmup", "1", "--concurrency", "1,2", "--gen-tokens", "2",
+          "--progress", "0", "--out", str(out_path)])
+    out = json.loads(out_path.read_text())
+    assert set(out["results"]) == {"generate@1", "score@1", "generate@2", "score@2"}
+    assert all(r["n"] == 3 and r["p50"] > 0 for r in out["results"].values())
+    assert all(r["undecided"] == 0 for k, r in out["results"].items() if k.startswith("score"))
+    assert set(out["ratio_generate_over_score"]) == {"1", "2"} and out["adapter"]["r"] == 8
+    assert out["sampler"]["score_requests"] == 2 * (3 + 1)

@@ -1,0 +1,288 @@
+"""Scoring in the CPU sampler: vLLM's ``prompt_logprobs`` on /v1/completions, equal to a plain forward pass.
+
+Every check compares the returned prompt logprobs (and the first generated token) with an independent
+transformers (+ peft) model's ``model(input_ids).logits.log_softmax(-1)`` over each whole prompt: for
+the base and an adapter, one prompt and several, with and without a prefix-cache hit, packed into
+several rows or forwards, and two concurrent requests scored in one batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.common.prompt import router_messages
+from services.common.settings import KafkaSettings
+from services.sampler.app import create_app
+from services.sampler.engine import Engine
+from services.sampler.scoring import PrefixCache, Scorer
+from services.sampler.serving import Sampler
+from services.sampler.settings import SamplerSettings
+from tests.support.tiny_model import build_lora_adapter, build_tiny_model
+
+TOL = 1e-4
+BASE = "tiny-base"
+NAMES = ("bio-dense", "bm25-all", "dense-all", "eng-bm25", "lib-bm25")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny base model with room for the router's prompt, and one LoRA adapter."""
+    root = tmp_path_factory.mktemp("tiny-score")
+    base = build_tiny_model(root / "base", context=512)
+    return {"base": base, "a": build_lora_adapter(base, root / "lora-a", seed=1)}
+
+
+_REFERENCE: dict[tuple[str, str | None], object] = {}
+
+
+def reference_rows(tiny: dict[str, Path], adapter: str | None, ids: list[int]):
+    """log_softmax of one plain forward pass of base (+ ``adapter``) over ``ids``: ``[len(ids), vocab]``."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    key = (str(tiny["base"]), adapter)
+    if key not in _REFERENCE:
+        model = AutoModelForCausalLM.from_pretrained(tiny["base"], dtype=torch.float32).eval()
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, str(tiny[adapter])).eval()
+        _REFERENCE[key] = model
+    with torch.no_grad():
+        return _REFERENCE[key](input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+
+
+def assert_prompt_logprobs_match(h: Harness, adapter: str | None, choice: dict, k: int) -> None:
+    """The choice's prompt_logprobs (and its first sampled token's logprob) against a plain forward pass."""
+    tiny, ids = h.tiny, choice["prompt_token_ids"]
+    rows = reference_rows(tiny, adapter, ids + choice["token_ids"][:1])
+    got = choice["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for pos in range(1, len(ids)):
+        row, entry = rows[pos - 1], got[pos]
+        actual = str(ids[pos])
+        assert next(iter(entry)) == actual  # the actual token first, as vLLM orders them
+        expected = float(row[ids[pos]])
+        assert abs(entry[actual]["logprob"] - expected) < TOL
+        # 1-based vocabulary rank = how many logprobs are >= the token's (ties within TOL either way)
+        assert int((row >= expected + TOL).sum()) <= entry[actual]["rank"] <= int((row >= expected - TOL).sum())
+        top_v, top_i = row.topk(k)
+        others = {int(t): v for t, v in entry.items() if t != actual}
+        assert len(entry) in (k, k + 1) and set(others) <= set(top_i.tolist())
+        for rank, (t, v) in enumerate(zip(top_i.tolist(), top_v.tolist()), start=1):
+            if t in others:
+                assert abs(others[t]["logprob"] - v) < TOL and others[t]["rank"] == rank
+        assert all(e["decoded_token"] == h.sampler.eng.token_text(int(t)) for t, e in entry.items())
+    first = choice["logprobs"]["token_logprobs"][0]
+    assert abs(first - float(rows[len(ids) - 1, choice["token_ids"][0]])) < TOL
+
+
+class Harness:
+    """A started sampler on the tiny model, its ASGI client, and the model files."""
+
+    def __init__(self, sampler: Sampler, client: httpx.AsyncClient, tiny: dict[str, Path]) -> None:
+        self.sampler, self.client, self.tiny = sampler, client, tiny
+
+    async def score(self, prompt, *, k: int = 0, status: int = 200, **body) -> dict:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "prompt_logprobs": k, "logprobs": 0,
+                "return_token_ids": True, **body}
+        r = await self.client.post("/v1/completions", json=body)
+        assert r.status_code == status, r.text
+        return r.json()
+
+    def router_prompts(self, query: str, names=NAMES) -> list[str]:
+        tok = self.sampler.eng.tokenizer
+        text = tok.apply_chat_template(router_messages(names, query), add_generation_prompt=True, tokenize=False)
+        return [text + name for name in names]
+
+    def metric(self, name: str, **labels) -> float:
+        return self.sampler.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+async def harness(request, tiny, tmp_path):
+    """Overrides of the sampler settings through ``@pytest.mark.parametrize('harness', [{...}], indirect=True)``."""
+    settings = SamplerSettings(base_model="unused", served_model_name=BASE, adapter_cache_dir=tmp_path / "cache",
+                               kafka=KafkaSettings(bootstrap_servers="memory://"), consume_adapters=False,
+                               **dict(getattr(request, "param", {})))
+    sampler = Sampler(settings, engine=Engine(tiny["base"]))
+    await sampler.start()
+    app = create_app(settings, sampler=sampler)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sampler") as client:
+        yield Harness(sampler, client, tiny)
+    await sampler.stop()
+
+
+# ------------------------------------------------------------------------------ numbers
+@pytest.mark.parametrize("k", [0, 3])
+async def test_one_prompt_matches_a_plain_forward_pass(harness, tiny, k):
+    body = await harness.score("which search provider should answer this query about cells", k=k)
+    choice = body["choices"][0]
+    assert_prompt_logprobs_match(harness, None, choice, k)
+    rows = reference_rows(tiny, None, choice["prompt_token_ids"])
+    assert choice["token_ids"] == [int(rows[-1].argmax())]  # greedy, from the scoring pass's last row
+    assert choice["text"] == harness.sampler.eng.decode(choice["token_ids"])
+    assert choice["finish_reason"] in ("length", "stop") and body["object"] == "text_completion"
+    n = len(choice["prompt_token_ids"])
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1}
+
+
+async def test_router_candidates_base_then_adapter_with_cache_hits(harness, tiny):
+    """K candidates of one prompt, twice (the second hits the cache), for the base and for an adapter:
+    the cache is per adapter, so the adapter's numbers are its own."""
+    assert (await harness.client.post("/v1/load_lora_adapter",
+                                      json={"lora_name": "lora-a", "lora_path": str(tiny["a"])})).status_code == 200
+    for model, adapter in ((BASE, None), ("lora-a", "a")):
+        for query in ("what is a cell?", "what is a wing?"):
+            body = await harness.score(harness.router_prompts(query), k=2, model=model)
+            assert [c["index"] for c in body["choices"]] == list(range(len(NAMES)))
+            for choice in body["choices"]:
+                assert_prompt_logprobs_match(harness, adapter, choice, 2)
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="miss") == 2  # once per adapter
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="partial") \
+        + harness.metric("fanroute_sampler_score_forwards_total", cache="hit") == 2
+    assert harness.metric("fanroute_sampler_tokens_total", kind="prompt_reused") > 0
+    base_again = await harness.score(harness.router_prompts("what is a cell?"), k=2)
+    for choice in base_again["choices"]:
+        assert_prompt_logprobs_match(harness, None, choice, 2)
+
+
+async def test_token_id_prompts_edge_shapes_and_a_repeat_hit(harness, tiny):
+    """Token ids; a prompt that is a prefix of another, a duplicate, a one-token prompt; then a full hit."""
+    eng = harness.sampler.eng
+    long = eng.encode("You route search queries to search providers. The providers are: bio-dense")
+    prompts = [long, long[:-3], long, long[:1], long[:20] + [5, 6, 7]]
+    for _ in range(2):
+        body = await harness.score(prompts, k=1)
+        for ids, choice in zip(prompts, body["choices"]):
+            assert choice["prompt_token_ids"] == ids
+            if len(ids) == 1:
+                assert choice["prompt_logprobs"] == [None]
+            else:
+                assert_prompt_logprobs_match(harness, None, choice, 1)
+    for _ in range(2):  # alone: cached the first time, a whole-entry hit the second
+        one = await harness.score(long, k=0)
+        assert_prompt_logprobs_match(harness, None, one["choices"][0], 0)
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="hit") == 1
+
+
+@pytest.mark.parametrize("harness", [{"score_row_tokens": 8, "score_max_forward_tokens": 40,
+                                      "prefix_cache_min_tokens": 4}], indirect=True)
+async def test_many_rows_and_forwards_still_match(harness, tiny):
+    prompts = harness.router_prompts("what is a cell?")[:3] + harness.router_prompts("a supersonic wing")[:3]
+    body = await harness.score(prompts, k=2)
+    for choice in body["choices"]:
+        assert_prompt_logprobs_match(harness, None, choice, 2)
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="miss") \
+        + harness.metric("fanroute_sampler_score_forwards_total", cache="partial") \
+        + harness.metric("fanroute_sampler_score_forwards_total", cache="hit") > 1
+
+
+@pytest.mark.parametrize("harness", [{"prefix_cache_entries": 0}], indirect=True)
+async def test_no_cache_still_matches(harness, tiny):
+    for _ in range(2):
+        for choice in (await harness.score(harness.router_prompts("what is a cell?")[:2], k=1))["choices"]:
+            assert_prompt_logprobs_match(harness, None, choice, 1)
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="miss") == 2
+    assert len(harness.sampler.eng.prefix_cache) == 0
+
+
+@pytest.mark.parametrize("harness", [{"score_batch_wait_ms": 50}], indirect=True)
+async def test_two_concurrent_requests_are_scored_in_one_batch(harness, tiny):
+    a, b = await asyncio.gather(harness.score(harness.router_prompts("what is a cell?"), k=1),
+                                harness.score(harness.router_prompts("heat transfer in a wing"), k=1))
+    assert harness.metric("fanroute_sampler_score_batch_requests_count") == 1
+    assert harness.metric("fanroute_sampler_score_batch_requests_sum") == 2
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="miss") == 1  # one forward for both
+    for choice in a["choices"] + b["choices"]:
+        assert_prompt_logprobs_match(harness, None, choice, 1)
+
+
+async def test_longer_generations_and_sampling_stay_as_without_prompt_logprobs(harness, tiny):
+    ask = {"max_tokens": 6, "temperature": 1.0, "seed": 4, "ignore_eos": True, "logprobs": 1,
+           "return_token_ids": True}
+    plain = (await harness.client.post("/v1/completions", json={"prompt": "hello world", **ask})).json()
+    scored = await harness.score("hello world", k=0, **ask)
+    assert scored["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert scored["choices"][0]["logprobs"] == plain["choices"][0]["logprobs"]
+    assert plain["choices"][0]["prompt_logprobs"] is None and scored["choices"][0]["prompt_logprobs"][0] is None
+    one = {**ask, "max_tokens": 1}
+    first = (await harness.client.post("/v1/completions", json={"prompt": "hello world", **one})).json()
+    again = await harness.score("hello world", k=0, **one)  # drawn from the scoring row, same seed
+    assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
+
+
+async def test_unloading_an_adapter_drops_its_cached_prefixes(harness, tiny):
+    await harness.client.post("/v1/load_lora_adapter", json={"lora_name": "lora-a", "lora_path": str(tiny["a"])})
+    await harness.score(harness.router_prompts("what is a cell?"), model="lora-a")
+    await harness.score(harness.router_prompts("what is a cell?"))
+    cache = harness.sampler.eng.prefix_cache
+    slot = harness.sampler.registry.get("lora-a").slot
+    assert {key[0] for key in cache._entries} == {slot, None}
+    await harness.client.post("/v1/unload_lora_adapter", json={"lora_name": "lora-a"})
+    assert {key[0] for key in cache._entries} == {None}
+
+
+# ------------------------------------------------------------------------------ bad requests
+BAD = [
+    {"prompt": "x", "prompt_logprobs": -1},
+    {"prompt": "x", "prompt_logprobs": -7},
+    {"prompt": "x", "prompt_logprobs": 21},  # over max_logprobs (20)
+    {"prompt": "x", "prompt_logprobs": "2"},
+    {"prompt": "x", "prompt_logprobs": 1.5},
+    {"prompt": "x", "prompt_logprobs": 0, "echo": True},
+    {"prompt": "x", "prompt_logprobs": 0, "stream": True},
+    {"prompt": "x", "prompt_logprobs": 0, "max_tokens": 0},
+]
+
+
+@pytest.mark.parametrize("body", BAD, ids=[str(b)[:60] for b in BAD])
+async def test_bad_prompt_logprobs_are_400_with_error_and_reason(harness, body):
+    r = await harness.client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert isinstance(err["error"], str) and isinstance(err["reason"], str) and err["reason"]
+    assert err["object"] == "error" and err["code"] == 400 and err["message"] == err["reason"]
+
+
+@pytest.mark.parametrize("harness", [{"max_logprobs": 2}], indirect=True)
+async def test_prompt_logprobs_are_bounded_by_max_logprobs(harness):
+    r = await harness.client.post("/v1/completions", json={"prompt": "x", "prompt_logprobs": 3})
+    assert r.status_code == 400 and r.json()["param"] == "prompt_logprobs" and "2" in r.json()["reason"]
+    assert (await harness.score("hello", k=2))["choices"][0]["prompt_logprobs"][1]
+
+
+# ------------------------------------------------------------------------------ the cache itself
+def test_prefix_cache_is_lru_per_slot_and_skips_short_prefixes(tiny):
+    engine = Engine(tiny["base"])
+    cache = PrefixCache(capacity=2, min_tokens=4)
+    scorer = Scorer(engine, cache, top_k_cached=2)
+    ids = engine.encode("You route search queries to search providers. The providers are: bio-dense, bm25-all")
+    assert len(ids) > 16
+    scorer.score([ids[:3]], [0], None)
+    assert len(cache) == 0  # shorter than min_tokens
+    for n in (10, 12, 14):
+        scorer.score([ids[:n] + [7, 8]], [0], None)
+    assert len(cache) == 2 and cache.capacity == 2
+    entry, shared = cache.lookup(None, ids[:14] + [9])
+    assert shared == 14 and entry is not None and len(entry.stats) == len(entry.tokens) - 1
+    assert cache.lookup("lora1", ids)[0] is None
+    cache.drop(None)
+    assert len(cache) == 0
+
+
+def test_packing_keeps_a_querys_candidates_in_one_row_and_the_shared_tokens_first():
+    from services.sampler.scoring import _pack
+
+    shared, q1, q2 = [1, 2, 3], [10, 11, 12, 13], [20, 21, 22, 23]
+    prompts = [shared + q1 + [c] for c in (30, 31, 32)] + [shared + q2 + [c] for c in (30, 31, 32)]
+    rows, paths = _pack(prompts, 1, row_tokens=8)
+    assert [len(r.tokens) for r in rows] == [9, 9]  # 2 shared + 4 query + 3 candidates, twice
+    assert paths[0][:2] == [0, 1] and all(p[:6] == paths[0][:6] for p in paths[:3])
+    assert all(p[0] == 9 for p in paths[3:])  # the second row's flat ids follow the first's
+    assert [rows[1].position[i - 9] for i in paths[4]] == list(range(1, 8))
+    one, _ = _pack(prompts, 1, row_tokens=64)
+    assert len(one) == 1 and len(one[0].tokens) == 2 + 4 + 3 + 4 + 3
