@@ -25,6 +25,7 @@ from services.judge.worker import verdict_id
 from services.providers.collections import sample_queries
 from services.providers.markets import default_providers
 from services.tools.demo import DemoOptions, demo_on
+from services.tools.demo_loop import LoopOptions
 from services.tools.demo_loop import MODEL_ID, held_out
 from tests.support.tiny_model import build_tiny_model
 
@@ -106,13 +107,15 @@ async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_p
     adapters = await _records(kafka, "adapters", AdapterPublished)
     assert [(a.model_id, a.version, a.base_model) for a in adapters if not a.promoted] == [(MODEL_ID, 1, str(base))]
 
-    # evaluation on the held-out queries and the promotion rule's decision: the tiny random router only
-    # writes garbage (counted fallbacks to the best single provider), so it cannot beat it and is refused
+    # evaluation on the held-out queries and the promotion rule's decision: the scoring router decides every
+    # query (no fallbacks) and is drawn over λ on the cost-quality plane; the tiny random router cannot beat
+    # the best single provider, so it is refused
     report = read_report(out / "eval" / "eval.json")
     assert report.inputs.candidate == f"{MODEL_ID}@1" and report.inputs.held_out == len(held)
-    assert sum(report.policies["candidate"].fallbacks.values()) > 0
+    assert report.policies["candidate"].fallbacks == {} and report.policies["candidate"].router_p99_ms > 0
+    assert set(report.frontier) == {"human", "judge"} and (out / "eval" / "frontier.png").is_file()
     decision = json.loads((out / "eval" / "decision.json").read_text())
-    rule = decide(report)
+    rule = decide(report, max_router_p99_ms=LoopOptions().max_router_p99_ms)
     assert (decision["decision"], decision["reasons"]) == (rule.decision, rule.reasons)
     assert decision["decision"] == "refuse" and decision["reasons"] and decision["promoted"] is False
     r = aioredis.Redis.from_url(redis_url)
