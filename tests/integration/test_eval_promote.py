@@ -1,7 +1,7 @@
 """``fanroute eval`` and ``fanroute promote`` on the real stack: held-out traces on the Kafka topic,
 a real publisher (Kafka + Redis) and the CPU sampler serving two LoRA adapters of a tiny model.
 
-The tiny model writes garbage, which shows up as counted fallbacks; such a candidate does not beat the
+Asked to write its ordering (``--router-mode generate``), the tiny model writes garbage, which shows up as counted fallbacks; such a candidate does not beat the
 baselines and promote refuses with reasons. Fed an eval.json in which the candidate does beat them,
 promote promotes: promoted=True on the adapters topic, the Redis key the gateway polls, and the
 evidence beside the manifest.
@@ -87,7 +87,8 @@ async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypat
         code = await asyncio.to_thread(main, [
             "eval", "--candidate", "router@2", "--deployed", "auto", "--publisher-url", purl, "--router-url", surl,
             "--train-episodes", str(tmp_path / "train.jsonl"), "--router-timeout", "60", "--out", str(out),
-            "--no-progress", "--bootstrap", "200", "--since", since.isoformat()])
+            "--no-progress", "--bootstrap", "200", "--since", since.isoformat(),
+            "--router-mode", "generate"])  # writing orderings: the tiny model's garbage (scoring: e2e/, unit tests)
         printed = capsys.readouterr()
         assert code == 0, printed.err
         report = read_report(out / "eval.json")

@@ -93,11 +93,11 @@ def test_demo_market_flag_sets_the_market_every_service_reads(monkeypatch, marke
         seen.update(market=os.environ.get("FANROUTE_MARKET"), judge=os.environ.get("FANROUTE_JUDGE"))
         return 0
 
-    monkeypatch.delenv("FANROUTE_MARKET", raising=False)  # touched here, so restored after the flag sets it
+    # set first, so monkeypatch restores both variables to what they were after the flag changes them
+    monkeypatch.setenv("FANROUTE_MARKET", "unset-by-the-test")
+    monkeypatch.setenv("FANROUTE_JUDGE", judge_env or "unset-by-the-test")
     if judge_env is None:
-        monkeypatch.delenv("FANROUTE_JUDGE", raising=False)
-    else:
-        monkeypatch.setenv("FANROUTE_JUDGE", judge_env)
+        monkeypatch.delenv("FANROUTE_JUDGE")
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
     assert main(["demo", "--market", market]) == 0
     assert seen == {"market": market, "judge": judge}
