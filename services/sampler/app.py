@@ -1,10 +1,11 @@
 """The sampler's HTTP surface: the subset of vLLM's OpenAI-compatible server that fanroute uses.
 
 ``GET /v1/models``, ``POST /v1/completions`` (text or token-id prompts; ``return_token_ids``,
-``logprobs``), ``POST /v1/chat/completions``, ``POST /v1/load_lora_adapter`` and
-``POST /v1/unload_lora_adapter`` answer in vLLM's shapes, so the relay and the publisher work
-against either server. Errors are ``{"error": <kind>, "reason": <text>}`` (fanroute's convention)
-plus the flat fields of vLLM's error body (``object``, ``message``, ``type``, ``param``, ``code``).
+``logprobs``; ``prompt_logprobs``, scored by :mod:`services.sampler.scoring`),
+``POST /v1/chat/completions``, ``POST /v1/load_lora_adapter`` and ``POST /v1/unload_lora_adapter``
+answer in vLLM's shapes, so the relay, the router and the publisher work against either server.
+Errors are ``{"error": <kind>, "reason": <text>}`` (fanroute's convention) plus the flat fields
+of vLLM's error body (``object``, ``message``, ``type``, ``param``, ``code``).
 
 The request and error bodies are in :mod:`services.sampler.wire`, the running sampler (engine,
 adapters) in :mod:`services.sampler.serving`, and the response bodies in

@@ -226,6 +226,19 @@ async def test_unloading_an_adapter_drops_its_cached_prefixes(harness, tiny):
     assert {key[0] for key in cache._entries} == {None}
 
 
+async def test_the_gateways_scoring_request_reads_back_from_the_sampler(harness):
+    """services.router.scoring's request (ChatML prompts + names) and parser against this server."""
+    from services.router.scoring import parse_scores, score_request
+
+    body = score_request(BASE, NAMES, "what is a cell?")
+    r = await harness.client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    scores = parse_scores(r.json(), NAMES)
+    assert set(scores) == set(NAMES) and all(v < 0 for v in scores.values())
+    for choice in r.json()["choices"]:
+        assert all(len(entry) == 1 for entry in choice["prompt_logprobs"][1:])  # prompt_logprobs=0
+
+
 # ------------------------------------------------------------------------------ bad requests
 BAD = [
     {"prompt": "x", "prompt_logprobs": -1},
