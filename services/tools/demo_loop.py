@@ -61,14 +61,20 @@ def held_out(query_id: str, fraction: float) -> bool:
 
 
 def split(traces: list[Trace], episodes: list[Episode], fraction: float, out_dir: Path) -> Split:
-    """Write the training episodes and the held-out traces as JSONL under ``out_dir``."""
+    """Write the training episodes and the traces the evaluation reads as JSONL under ``out_dir``.
+
+    The traces file holds the held-out traces *and* the training episodes' own traces: the evaluation
+    drops every trained query itself, and reads the training traces' query ids for the per-domain best.
+    """
     held = {t.trace_id for t in traces if held_out(t.query_id or t.query, fraction)}
     train = [ep for ep in episodes if ep.trace_id not in held]
     train_file = write_jsonl(train, out_dir / "train" / "episodes.jsonl")
-    traces_file = out_dir / "eval" / "held_out_traces.jsonl"
+    traces_file = out_dir / "eval" / "traces.jsonl"
     traces_file.parent.mkdir(parents=True, exist_ok=True)
+    trained = {ep.trace_id for ep in train}
     held_traces = [t for t in traces if t.trace_id in held]
-    traces_file.write_text("".join(t.model_dump_json() + "\n" for t in held_traces))
+    eval_traces = [t for t in traces if t.trace_id in held or t.trace_id in trained]
+    traces_file.write_text("".join(t.model_dump_json() + "\n" for t in eval_traces))
     return Split(train_file, traces_file, len(train), held_traces)
 
 

@@ -30,7 +30,28 @@ def test_split_never_trains_on_a_held_out_query(tmp_path):
     trained = [json.loads(line)["messages"][1]["content"] for line in data.train_file.read_text().splitlines()]
     assert held and trained and not held & set(trained)
     assert data.n_train + len(data.held_out) == len(traces)
-    assert len(data.traces_file.read_text().splitlines()) == len(data.held_out)
+    written = [json.loads(line)["trace_id"] for line in data.traces_file.read_text().splitlines()]
+    assert sorted(written) == sorted(t.trace_id for t in traces)  # held out + the training episodes' own
+
+
+def test_split_feeds_the_eval_exactly_the_held_out_queries_and_the_domains_of_the_trained(tmp_path):
+    from services.evaluate.curves import per_domain_choice
+    from services.evaluate.inputs import held_out as eval_held_out
+    from services.evaluate.inputs import load_traces_file
+
+    queries, _, _ = adi()
+    traces = [adi_trace(q) for q in sorted(queries, key=int)]
+    episodes = [episode(t.query, "good > cheap = flaky", ["good", "cheap", "flaky"], ep_id=f"e-{t.trace_id}")
+                .model_copy(update={"trace_id": t.trace_id}) for t in traces]
+    unjudged = traces[-1]  # a trace without an episode is neither trained on nor held out
+    data = split(traces, [ep for ep in episodes if ep.trace_id != unjudged.trace_id], 0.3, tmp_path)
+    train = [ep for ep in episodes if ep.trace_id not in {t.trace_id for t in data.held_out}
+             and ep.trace_id != unjudged.trace_id]
+    written = load_traces_file(data.traces_file)
+    kept = eval_held_out(written, train).traces
+    assert {t.trace_id for t in kept} == {t.trace_id for t in data.held_out}
+    assert unjudged not in data.held_out and unjudged.trace_id not in {t.trace_id for t in written}
+    assert per_domain_choice(train, written, "cheap")  # the trained traces' query ids give their domain
 
 
 def test_render_routed_separates_slice_router_and_fallbacks():
