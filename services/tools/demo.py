@@ -42,6 +42,7 @@ class DemoOptions:
     judge_rate: float = 1.0  # label every trace: the short training run needs them (the service default is 0.2)
     loop: bool = True  # False: stop after the fan-out era (no training, evaluation or routing)
     held_out_fraction: float = 0.3
+    passes: int = 1  # chained one-pass training runs (each from the previous adapter)
 
 
 STEPS = 8
@@ -92,7 +93,7 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
     data = split(traces, episodes, opts.held_out_fraction, opts.out_dir)
     print(f"      split by query: {data.n_train} training episodes, {len(data.held_out)} held-out queries "
           f"({opts.held_out_fraction:.0%}) the student never sees", flush=True)
-    loop = LoopOptions(held_out_fraction=opts.held_out_fraction, allow_uncalibrated=not gate.open)
+    loop = LoopOptions(held_out_fraction=opts.held_out_fraction, passes=opts.passes, allow_uncalibrated=not gate.open)
     return max(code, await distill_and_route(kafka, redis_url, data, settings, opts.out_dir, loop, 6, STEPS))
 
 

@@ -33,6 +33,7 @@ class LoopOptions:
     held_out_fraction: float = 0.3
     allow_uncalibrated: bool = False  # only when the judge's gate is closed; the run records it
     max_steps: int = 1000  # one pass over the training split caps it
+    passes: int = 1  # chained one-pass runs, each from the previous adapter (--init-adapter); the last publishes
     batch_size: int = 8
     router_max_tokens: int = 8  # the top of the ordering is what routing needs; ~0.1 s per token on CPU
     router_timeout_s: float = 5.0
@@ -121,20 +122,30 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
 
 def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publisher_url: str, out_dir: Path,
            opts: LoopOptions):
-    """One short SFT run (progress lines from the trainer). The trainer checks the judge's calibration gate
-    on Kafka itself; only a closed gate makes the demo pass ``allow_uncalibrated`` (recorded by the run)."""
+    """``opts.passes`` chained one-pass SFT runs (progress lines from the trainer), each starting from the
+    previous run's adapter with a new data order, as the continual schedule chains them; only the last
+    publishes. The trainer checks the judge's calibration gate on Kafka itself; only a closed gate makes
+    the demo pass ``allow_uncalibrated`` (recorded by the run)."""
     from services.trainer.settings import TrainerSettings
     from services.trainer.train import train
 
     if opts.allow_uncalibrated:
         print("      the judge's calibration gate is CLOSED: training with allow_uncalibrated (recorded)", flush=True)
-    settings = TrainerSettings(kafka=kafka, redis=redis, episodes_file=train_file,
-                               allow_uncalibrated=opts.allow_uncalibrated,
-                               output_dir=out_dir / "train" / "run", max_steps=opts.max_steps,
-                               batch_size=opts.batch_size, eval_fraction=0.1, eval_every=0, eval_max_examples=40,
-                               checkpoint_every=0, publisher_url=publisher_url, model_id=MODEL_ID)
-    shutil.rmtree(settings.output_dir, ignore_errors=True)
-    return train(settings)
+    result, init = None, None
+    for k in range(opts.passes):
+        last = k == opts.passes - 1
+        if opts.passes > 1:
+            print(f"      pass {k + 1} of {opts.passes}" + (f", starting from {init}" if init else ""), flush=True)
+        settings = TrainerSettings(kafka=kafka, redis=redis, episodes_file=train_file,
+                                   allow_uncalibrated=opts.allow_uncalibrated, seed=k, init_adapter=init,
+                                   output_dir=out_dir / "train" / ("run" if last else f"run-pass{k + 1}"),
+                                   max_steps=opts.max_steps, batch_size=opts.batch_size, eval_fraction=0.1,
+                                   eval_every=0, eval_max_examples=40, checkpoint_every=0,
+                                   publisher_url=publisher_url if last else None, model_id=MODEL_ID)
+        shutil.rmtree(settings.output_dir, ignore_errors=True)
+        result = train(settings)
+        init = result.adapter_dir
+    return result
 
 
 async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_url: str, sampler_url: str,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -72,7 +73,28 @@ def test_render_routed_separates_slice_router_and_fallbacks():
 def test_demo_refuses_bad_arguments(capsys):
     assert main(["demo", "--queries", "3"]) == 2
     assert main(["demo", "--held-out", "0.99"]) == 2
-    assert "--held-out" in capsys.readouterr().err
+    assert main(["demo", "--passes", "0"]) == 2
+    assert "--passes" in capsys.readouterr().err
+
+
+def test_chained_passes_start_each_run_from_the_previous_adapter_and_only_the_last_publishes(monkeypatch, tmp_path):
+    import services.trainer.train as trainer
+    from services.common.settings import KafkaSettings, RedisSettings
+    from services.tools.demo_loop import LoopOptions, _train
+
+    runs = []
+
+    def fake_train(settings):
+        runs.append(settings)
+        return SimpleNamespace(adapter_dir=settings.output_dir / "adapter")
+
+    monkeypatch.setattr(trainer, "train", fake_train)
+    result = _train(KafkaSettings(bootstrap_servers="memory://"), RedisSettings(url="memory://"),
+                    tmp_path / "episodes.jsonl", "http://127.0.0.1:9", tmp_path, LoopOptions(passes=3))
+    assert [r.init_adapter for r in runs] == [None, runs[0].output_dir / "adapter", runs[1].output_dir / "adapter"]
+    assert [r.publisher_url for r in runs] == [None, None, "http://127.0.0.1:9"]
+    assert len({r.seed for r in runs}) == 3 and len({r.output_dir for r in runs}) == 3  # a new data order each pass
+    assert result.adapter_dir == tmp_path / "train" / "run" / "adapter"  # the published one, where the demo looks
 
 
 async def test_the_demo_gate_is_computed_on_the_validation_half_and_published():
