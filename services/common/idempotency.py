@@ -2,6 +2,12 @@
 
 Redis being unreachable is a :class:`~services.common.errors.TransientError` (see
 :func:`redis_transient`): a bus handler that hits it has its record retried, not dead-lettered.
+
+A consumer marks a key after its result is out (published). If that mark fails because Redis is
+down, the key store remembers the key in the process and :meth:`KeyStore.seen` reports it as seen
+(writing the mark again first), so the retried record does not publish its result a second time
+(the fault matrix's Redis rows, ``tests/integration/test_fault_redis.py``). A process that dies
+before the mark is covered by the consumers' ``reconcile`` from the topic at start.
 """
 
 from __future__ import annotations
@@ -87,14 +93,20 @@ class RedisKeyStore(KeyStore):
 
         self.client = redis.Redis.from_url(url)
         self.prefix = prefix
+        self.unmarked: set[str] = set()  # done here, but the mark did not reach Redis (yet)
 
     async def seen(self, key: str) -> bool:
+        if key in self.unmarked:  # its result is out; only the mark is missing: write it, report seen
+            await self.mark(key)
+            return True
         with redis_transient("idempotency key store"):
             return bool(await self.client.exists(f"{self.prefix}:done:{key}"))
 
     async def mark(self, key: str) -> None:
+        self.unmarked.add(key)  # kept until Redis has the mark (see the module docstring)
         with redis_transient("idempotency key store"):
             await self.client.set(f"{self.prefix}:done:{key}", b"1")
+        self.unmarked.discard(key)
 
     async def add(self, set_name: str, member: str) -> None:
         with redis_transient("idempotency key store"):

@@ -14,7 +14,6 @@ import httpx
 import pytest
 
 from schemas import Verdict, topic
-from schemas.topics import wire_name
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings, RedisSettings
 from services.gateway.app import build_gateway, create_app
@@ -29,7 +28,7 @@ from tests.integration.llm_judge_fake import AutoJudgeServer
 from tests.support.poll import eventually
 from tests.support.processes import ROOT, running, service_env
 from tests.support.records import judged_trace
-from tests.support.topics import topic_records, wait_for_records
+from tests.support.topics import group_caught_up, topic_records, wait_for_records
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
 TRACE_PROVIDERS = [BM25Config(name=n) for n in ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")]
@@ -37,25 +36,6 @@ TRACE_PROVIDERS = [BM25Config(name=n) for n in ("bm25-all", "dense-all", "eng-bm
 
 async def _verdicts(kafka: KafkaSettings) -> list[Verdict]:
     return await topic_records(kafka, "verdicts", Verdict)
-
-
-async def _group_caught_up(kafka: KafkaSettings, group: str) -> bool:
-    """Whether ``group`` has committed the end of every traces partition."""
-    from aiokafka import AIOKafkaConsumer
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
-    probe = AIOKafkaConsumer(wire_name(kafka, topic("traces")), bootstrap_servers=kafka.bootstrap_servers,
-                             group_id=None)
-    await admin.start()
-    await probe.start()
-    try:
-        ends = await probe.end_offsets(list(probe.assignment()))
-        done = await admin.list_consumer_group_offsets(group)
-        return all(done.get(tp) is not None and done[tp].offset >= end for tp, end in ends.items())
-    finally:
-        await probe.stop()
-        await admin.close()
 
 
 def _ns() -> str:
@@ -127,12 +107,12 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
                                        what="8 verdicts before the kill")
             assert len(await _verdicts(kafka)) < len(traces), "the kill must land mid-stream"
             with _judge(env):
-                await eventually(lambda: _group_caught_up(kafka, group), timeout_s=180,
+                await eventually(lambda: group_caught_up(kafka, group), timeout_s=180,
                                  what="the restarted judge to catch up")
                 after_restart = await _verdicts(kafka)
                 for t in traces:  # replay every trace: none may be judged again
                     await bus.publish(topic("traces"), t)
-                await eventually(lambda: _group_caught_up(kafka, group), timeout_s=120,
+                await eventually(lambda: group_caught_up(kafka, group), timeout_s=120,
                                  what="the judge to read the replay")
                 after_replay = await _verdicts(kafka)
             with _judge(_judge_env(kafka, redis_url, llm, "judge-llm-b")):  # a different judge
@@ -188,7 +168,7 @@ async def test_sampling_on_the_real_topic_judges_contested_and_counts_the_rest(k
     stop = asyncio.Event()
     judging = asyncio.create_task(run_judge(settings, stop))
     try:
-        await eventually(lambda: _group_caught_up(kafka, group), timeout_s=120,
+        await eventually(lambda: group_caught_up(kafka, group), timeout_s=120,
                          what="the judge to read every trace")
     finally:
         stop.set()

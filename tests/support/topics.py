@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from schemas import topic
+from schemas.topics import wire_name
 from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 from tests.support.poll import eventually
@@ -26,3 +27,22 @@ async def wait_for_records(kafka: KafkaSettings, name: str, model: type[M], n: i
         return got if len(got) >= n else None
 
     return await eventually(at_least, timeout_s=timeout_s, what=what or f"{n} records on {name!r}", interval_s=0.2)
+
+
+async def group_caught_up(kafka: KafkaSettings, group: str, name: str = "traces") -> bool:
+    """Whether consumer group ``group`` has committed the end of every partition of topic ``name``."""
+    from aiokafka import AIOKafkaConsumer
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
+    probe = AIOKafkaConsumer(wire_name(kafka, topic(name)), bootstrap_servers=kafka.bootstrap_servers,
+                             group_id=None)
+    await admin.start()
+    await probe.start()
+    try:
+        ends = await probe.end_offsets(list(probe.assignment()))
+        done = await admin.list_consumer_group_offsets(group)
+        return all(done.get(tp) is not None and done[tp].offset >= end for tp, end in ends.items())
+    finally:
+        await probe.stop()
+        await admin.close()
