@@ -231,6 +231,13 @@ def topic_name(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _own_trace_spool(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test's gateways (in process or started from it) spool traces in a directory of their own,
+    never in the user's ``~/.cache/fanroute/spool``; a test may still set its own ``spool_dir``."""
+    monkeypatch.setenv("FANROUTE_SPOOL_DIR", str(tmp_path_factory.mktemp("spool")))
+
+
+@pytest.fixture(autouse=True)
 def _marked_services_must_start(request: pytest.FixtureRequest) -> None:
     """A test marked ``kafka``/``redis`` gets its service started even if it does not ask for
     the fixture, and fails (never skips) when the service cannot be started."""

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker, KafkaMessage
@@ -96,17 +96,28 @@ class Bus:
 
     async def publish(self, spec: TopicSpec, message: Message) -> None:
         """Publish ``message`` keyed by its id and wait for acks=all; failures raise BusError."""
-        await self.publish_raw(self.name(spec), message.to_bytes(), key=spec.key_of(message),
-                               headers={"content-type": "application/json",
-                                        "schema_version": str(getattr(message, "schema_version", ""))})
+        topic, value, key, headers = self.record_of(spec, message)
+        await self.publish_raw(topic, value, key=key, headers=headers)
+
+    def record_of(self, spec: TopicSpec, message: Message) -> tuple[str, bytes, bytes, dict[str, str]]:
+        """What :meth:`publish` sends: wire topic, value, key (the message's id) and headers."""
+        return (self.name(spec), message.to_bytes(), spec.key_of(message),
+                {"content-type": "application/json",
+                 "schema_version": str(getattr(message, "schema_version", ""))})
 
     async def publish_raw(self, topic: str, value: bytes, *, key: bytes | None,
-                          headers: dict[str, str]) -> None:
+                          headers: dict[str, str], timeout_s: float | None | Literal["setting"] = "setting") -> None:
+        """Send one record and wait for acks=all, at most ``publish_timeout_s`` (the default), or
+        ``timeout_s`` seconds, or (``None``) until the producer itself resolves it: with the idempotent
+        producer it retries until the broker acknowledges, so an outage ends in the real outcome
+        rather than in a timeout after which the record may still land."""
+        limit = self.settings.publish_timeout_s if timeout_s == "setting" else timeout_s
         try:
-            await asyncio.wait_for(
-                self.broker.publish(value, topic, key=key, headers=headers),
-                timeout=self.settings.publish_timeout_s,
-            )
+            publishing = self.broker.publish(value, topic, key=key, headers=headers)
+            if limit is None:
+                await publishing
+            else:
+                await asyncio.wait_for(publishing, timeout=limit)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

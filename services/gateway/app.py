@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -15,15 +14,16 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas.base import content_id
 from schemas.topics import topic
-from schemas.trace import Candidate, Route, Signals, Trace
+from schemas.trace import Candidate, Route, Signals
 from services.common.bus import Bus
-from services.common.errors import BusError
 from services.common.http import BodyLimit, lifespan_of
 from services.common.http import error as error_response
+from services.common.spool import SpoolError
 from services.common.stamps import StampStore
+from services.gateway.ids import trace_id_for
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.outbox import TraceOutbox, default_spool_dir
 from services.gateway.push import push
 from services.gateway.routed import RoutedMode
 from services.gateway.settings import GatewaySettings
@@ -44,12 +44,14 @@ class SearchRequest(BaseModel):
     query: str = Field(description="The user's query (non-empty after trimming)")
     query_id: str | None = Field(default=None, max_length=256, description="Caller's id for the query")
     request_id: str | None = Field(default=None, min_length=1, max_length=128,
-                                   description="Idempotency key: the trace id is derived from it")
+                                   description="Idempotency key: the trace id is derived from it, the query "
+                                               "and query_id (a retry gets the same id, another query does not)")
 
 
 class SearchResponse(BaseModel):
-    """The candidates called, one fused list, the signals, the route (routed mode), and whether the
-    trace reached Kafka."""
+    """The candidates called, one fused list, the signals, the route (routed mode), and where the trace
+    is: on Kafka (``published``) or in the gateway's durable spool, re-published when Kafka is back
+    (``spooled``)."""
 
     trace_id: str
     mode: str = Field(description="fanout (every provider) or routed (the router's pick)")
@@ -57,8 +59,13 @@ class SearchResponse(BaseModel):
     candidates: list[Candidate]
     fused: list[FusedResult]
     signals: Signals
-    trace_published: bool
-    trace_error: str | None = None
+    trace_status: Literal["published", "spooled"] = Field(
+        description="published: Kafka acknowledged the trace; spooled: it did not within publish_wait_s, so "
+                    "the trace was written (fsynced) to the gateway's spool and is re-published from there")
+    trace_published: bool = Field(deprecated=True,
+                                  description="Deprecated: trace_status == 'published' (false means spooled, "
+                                              "not lost)")
+    trace_error: str | None = Field(default=None, description="Why the trace was spooled")
     route: Route | None = Field(default=None, description="How a routed request was answered")
 
 
@@ -74,6 +81,9 @@ class Gateway:
         for p in providers:
             for outcome in ("ok", "error"):
                 self.metrics.provider_calls.labels(p.name, outcome)
+        self.outbox = TraceOutbox(bus, self.metrics, spool_dir=settings.spool_dir or default_spool_dir(
+            settings.cache_dir), publish_wait_s=settings.publish_wait_s, max_bytes=settings.spool_max_bytes,
+            max_records=settings.spool_max_records)
         self.routed = (RoutedMode(settings, providers, bus, self.metrics, stamps=stamps, client=router_client)
                        if settings.routing.enabled else None)
 
@@ -85,6 +95,7 @@ class Gateway:
             self.routed.subscribe()
             topics += (topic("adapters"),)
         await self.bus.start(topics)
+        await self.outbox.start()
         if self.routed is not None:
             await self.routed.start()
         log.info("gateway ready in %.1fs with providers %s (%s)", time.perf_counter() - t0,
@@ -94,15 +105,17 @@ class Gateway:
         if self.routed is not None:
             await self.routed.stop()
         await asyncio.gather(*(p.close() for p in self.providers), return_exceptions=True)
+        await self.outbox.stop()
         await self.bus.stop()
 
-    async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, bool, float]:
-        """Fan out (or route), build and publish the trace.
+    async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, float]:
+        """Fan out (or route), build and publish (or spool) the trace.
 
-        Returns the response, whether Kafka acked the trace, and the answering's wall time in ms.
+        Returns the response and the answering's wall time in ms; raises :class:`SpoolError` when Kafka
+        did not acknowledge the trace in time and the spool could not take it.
         """
         t0 = time.perf_counter()
-        trace_id = content_id("trace", req.request_id) if req.request_id else uuid.uuid4().hex
+        trace_id = trace_id_for(req.request_id, query, req.query_id)
         if self.routed is not None and not self.routed.fans_out(req.request_id or req.query_id or trace_id):
             trace = await self.routed.trace(query, trace_id=trace_id, query_id=req.query_id)
         else:
@@ -111,22 +124,13 @@ class Gateway:
                                         contested_threshold=self.settings.contested_threshold)
         answer_ms = (time.perf_counter() - t0) * 1000.0
         candidates, signals = list(trace.candidates), trace.signals
-        published, error = await self._publish(trace)
+        status, error = await self.outbox.publish(trace)
         self._observe(trace.mode, candidates, signals, time.perf_counter() - t0)
         fused = rrf(candidates, k=self.settings.rrf_k, limit=self.settings.fused_limit)
         return SearchResponse(trace_id=trace_id, mode=trace.mode, query=query, candidates=candidates,
-                              fused=fused, signals=signals, trace_published=published,
-                              trace_error=error, route=trace.route), published, answer_ms
-
-    async def _publish(self, trace: Trace) -> tuple[bool, str | None]:
-        try:
-            await self.bus.publish(topic("traces"), trace)
-        except BusError as exc:
-            self.metrics.traces_unpublished.inc()
-            log.error("trace %s NOT published: %s", trace.trace_id, exc)
-            return False, str(exc)
-        self.metrics.traces_published.inc()
-        return True, None
+                              fused=fused, signals=signals, trace_status=status,
+                              trace_published=status == "published", trace_error=error,
+                              route=trace.route), answer_ms
 
     def _observe(self, mode: str, candidates: list[Candidate], signals: Signals, seconds: float) -> None:
         m = self.metrics
@@ -173,7 +177,9 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
 
     @app.post("/v1/search", response_model=SearchResponse,
               responses={413: {"description": "Body or query too large"},
-                         422: {"description": "Invalid request, with the reason"}})
+                         422: {"description": "Invalid request, with the reason"},
+                         503: {"description": "Kafka did not acknowledge the trace in time and the spool is "
+                                              "full or unwritable (error spool_full / spool_unavailable)"}})
     async def search(req: SearchRequest) -> Any:
         query = " ".join(req.query.split())
         if not query:
@@ -184,7 +190,11 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
             return error_response(413, "query_too_long",
                           f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
         t0 = time.perf_counter()
-        result, published, answer_ms = await gw.search(req, query)
+        try:
+            result, answer_ms = await gw.search(req, query)
+        except SpoolError as exc:
+            return error_response(503, exc.kind, f"the trace was neither acknowledged by Kafka within "
+                                  f"{settings.publish_wait_s:g}s nor spooled: {exc}; retry with the same request_id")
         # Serialised once here: the response model is for the docs, not re-validated per request.
         body = result.model_dump_json()
         total_ms = (time.perf_counter() - t0) * 1000.0
@@ -192,7 +202,7 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
         timing = (f"{result.mode};dur={answer_ms:.3f}, slowest-provider;dur={slowest:.3f}, "
                   f"gateway;dur={total_ms - slowest:.3f}")
         return Response(body, media_type="application/json",
-                        headers={TRACE_HEADER: "published" if published else "unpublished",
+                        headers={TRACE_HEADER: result.trace_status,
                                  "Server-Timing": timing})
 
     @app.post("/v1/episodes", responses={
@@ -208,6 +218,7 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
     async def healthz() -> dict[str, Any]:
         health = {"status": "ok", "providers": [p.name for p in gw.providers],
                   "kafka": "memory" if gw.bus.in_memory else gw.settings.kafka.bootstrap_servers}
+        health["spool"] = gw.outbox.describe()
         if gw.routed is not None:
             health["routing"] = gw.routed.describe()
         return health

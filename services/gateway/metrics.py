@@ -25,8 +25,29 @@ class GatewayMetrics:
         self.traces_published = Counter("fanroute_traces_published", "Traces acknowledged by Kafka",
                                         registry=r)
         self.traces_unpublished = Counter("fanroute_traces_unpublished",
-                                          "Traces Kafka did not acknowledge (the caller was told)",
+                                          "Traces neither acknowledged by Kafka nor spooled (answered 503)",
                                           registry=r)
+        self.traces_spooled = Counter("fanroute_traces_spooled", "Traces Kafka did not acknowledge within "
+                                      "publish_wait_s, written to the local spool (answered 'spooled')",
+                                      registry=r)
+        self.spool_refused = Counter("fanroute_traces_spool_refused", "Traces the spool could not take, by "
+                                     "reason (spool_full, spool_unavailable); each answered 503",
+                                     ["reason"], registry=r)
+        for reason in ("spool_full", "spool_unavailable"):
+            self.spool_refused.labels(reason)
+        self.spool_late_acks = Counter("fanroute_traces_spool_late_acks", "Spooled traces whose first send "
+                                       "was acknowledged after all (no re-publish needed)", registry=r)
+        self.spool_republished = Counter("fanroute_traces_spool_republished",
+                                         "Spooled traces re-published from the spool and acknowledged", registry=r)
+        self.spool_damaged = Counter("fanroute_traces_spool_damaged_lines", "Spool lines skipped at start-up "
+                                     "(a torn last line after a crash, or damage)", registry=r)
+        self.spool_depth = Gauge("fanroute_traces_spool_depth", "Traces in the spool waiting for Kafka",
+                                 registry=r)
+        self.spool_oldest_age = Gauge("fanroute_traces_spool_oldest_age_seconds",
+                                      "Age of the oldest spooled trace (0 when the spool is empty)", registry=r)
+        self.spool_available = Gauge("fanroute_traces_spool_available",
+                                     "1 when the spool can be written, 0 when it cannot (its directory or file)",
+                                     registry=r)
         self.contested = Counter("fanroute_traces_contested", "Traces flagged contested", registry=r)
         self.rejected = Counter("fanroute_gateway_rejected", "Requests refused with a 4xx", ["reason"],
                                 registry=r)

@@ -88,6 +88,18 @@ class GatewaySettings(ServiceSettings):
     max_line_bytes: int = Field(default=262_144, ge=256, le=10_000_000, description="Largest single episode")
     fused_limit: int = Field(default=10, ge=1, le=100, description="Results in the fused list")
     rrf_k: int = Field(default=60, ge=1, le=1000, description="Reciprocal-rank fusion constant")
+    publish_wait_s: float = Field(
+        default=0.5, gt=0, le=30,
+        description="How long a request waits for Kafka to acknowledge its trace; past it the trace is "
+                    "spooled locally (answered trace_status=spooled) and re-published in the background")
+    spool_dir: Path | None = Field(
+        default=None, description="Directory of the trace spool (outbox); default <cache_dir>/spool, else "
+                                  "~/.cache/fanroute/spool. One gateway per directory (it is locked)")
+    spool_max_bytes: int = Field(default=256 << 20, ge=4096, le=1 << 40,
+                                 description="Most bytes of spooled traces; past it a trace Kafka does not "
+                                             "acknowledge is answered 503 spool_full")
+    spool_max_records: int = Field(default=100_000, ge=1, le=100_000_000,
+                                   description="Most spooled traces; past it the answer is 503 spool_full")
     routing: RoutingSettings = Field(default_factory=RoutingSettings,
                                      description="Routed mode (FANROUTE_ROUTING__ENABLED=true, ...)")
 

@@ -23,7 +23,7 @@ def _settings(**kw) -> GatewaySettings:
 
 
 class FailingBus(Bus):
-    async def publish(self, spec, message) -> None:
+    async def publish_raw(self, topic, value, *, key, headers, timeout_s="setting") -> None:
         raise BusError("publish to traces failed: KafkaTimeoutError")
 
 
@@ -53,7 +53,8 @@ async def test_search_answers_with_every_candidate_and_publishes_trace(gw_client
     r = await client.post("/v1/search", json={"query": "  what   is a cell ", "query_id": "med/1"})
     assert r.status_code == 200, r.text
     body = r.json()
-    assert r.headers["X-Fanroute-Trace"] == "published" and body["trace_published"] is True
+    assert r.headers["X-Fanroute-Trace"] == "published" and body["trace_status"] == "published"
+    assert body["trace_published"] is True  # deprecated, derived from trace_status
     assert body["query"] == "what is a cell"
     timing = dict(part.strip().split(";dur=") for part in r.headers["Server-Timing"].split(","))
     assert set(timing) == {"fanout", "slowest-provider", "gateway"} and float(timing["gateway"]) >= 0
@@ -67,22 +68,33 @@ async def test_search_answers_with_every_candidate_and_publishes_trace(gw_client
     assert all(p.calls == ["what is a cell"] for p in gw.providers)
 
 
-async def test_request_id_makes_trace_id_stable(gw_client):
+async def test_request_id_makes_trace_id_stable_and_collision_free(gw_client):
     client, *_ = gw_client
-    ids = [(await client.post("/v1/search", json={"query": "q", "request_id": "r-1"})).json()["trace_id"]
-           for _ in range(2)]
-    other = (await client.post("/v1/search", json={"query": "q", "request_id": "r-2"})).json()["trace_id"]
-    assert ids[0] == ids[1] != other
+
+    async def trace_id(**body) -> str:
+        return (await client.post("/v1/search", json=body)).json()["trace_id"]
+
+    retried = [await trace_id(query="q", request_id="r-1") for _ in range(2)]
+    assert retried[0] == retried[1] == await trace_id(query="  q ", request_id="r-1")  # same query, normalised
+    others = {await trace_id(query="q", request_id="r-2"),
+              await trace_id(query="another query", request_id="r-1"),  # a reused request id: no collision
+              await trace_id(query="q", request_id="r-1", query_id="med/1")}
+    assert len(others) == 3 and retried[0] not in others
+    assert await trace_id(query="q", request_id="r-1", query_id="med/1") in others  # that retry, stable
 
 
 @pytest.mark.parametrize("gw_client", [FailingBus], indirect=True)
-async def test_unacknowledged_trace_is_reported_not_hidden(gw_client):
+async def test_unacknowledged_trace_is_spooled_and_said_so(gw_client):
     client, gw, *_ = gw_client
     r = await client.post("/v1/search", json={"query": "q"})
     assert r.status_code == 200
-    assert r.headers["X-Fanroute-Trace"] == "unpublished"
-    assert r.json()["trace_published"] is False and "KafkaTimeoutError" in r.json()["trace_error"]
-    assert "fanroute_traces_unpublished_total 1.0" in (await client.get("/metrics")).text
+    assert r.headers["X-Fanroute-Trace"] == "spooled"
+    assert r.json()["trace_status"] == "spooled" and r.json()["trace_published"] is False
+    assert "KafkaTimeoutError" in r.json()["trace_error"]
+    metrics = (await client.get("/metrics")).text
+    assert "fanroute_traces_spooled_total 1.0" in metrics and "fanroute_traces_unpublished_total 0.0" in metrics
+    assert "fanroute_traces_spool_depth 1.0" in metrics
+    assert gw.outbox.spool.depth == 1
 
 
 @pytest.mark.parametrize("payload, status, reason", [
@@ -116,8 +128,10 @@ async def test_malformed_json_and_oversized_body(gw_client):
 
 async def test_healthz_metrics_and_openapi(gw_client):
     client, *_ = gw_client
-    assert (await client.get("/healthz")).json() == {"status": "ok", "providers": ["a", "b", "c"],
-                                                      "kafka": "memory"}
+    health = (await client.get("/healthz")).json()
+    spool = health.pop("spool")
+    assert health == {"status": "ok", "providers": ["a", "b", "c"], "kafka": "memory"}
+    assert spool["status"] == "ok" and spool["depth"] == 0 and spool["oldest_age_s"] == 0
     await client.post("/v1/search", json={"query": "q"})
     m = (await client.get("/metrics")).text
     assert 'fanroute_provider_calls_total{outcome="error",provider="c"} 1.0' in m

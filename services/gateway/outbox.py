@@ -1,0 +1,194 @@
+"""The gateway's trace outbox: publish, and spool what Kafka does not acknowledge in time.
+
+``publish`` sends the trace and waits at most ``publish_wait_s`` for acks=all. Acknowledged: the answer
+says ``published``. Not (the broker is slow, paused or down): the record, exactly as it was sent (wire
+topic, key = trace id, headers, value), is appended to the local spool and fsynced *before* the answer
+goes out with ``spooled``. The first send is not cancelled: the idempotent producer keeps retrying it,
+and if it lands later the spooled copy is marked done without a second publish. A background task
+re-publishes, oldest first, whatever is still pending (the first send failed, or this is a restart that
+found records left in the spool), backing off while Kafka is away. A re-publish keeps the trace id as key,
+so a record that did land twice (a send that failed on the client after the broker wrote it) is one
+trace to every consumer, which all deduplicate by trace id.
+
+A spool that is full or cannot be written is an error the caller sees (:class:`SpoolError`, answered
+503 by the app) and a metric counts; a trace is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from schemas.topics import topic
+from schemas.trace import Trace
+from services.common.bus import Bus, transient_delay
+from services.common.spool import Spool, SpoolError, SpoolRecord, SpoolUnavailable
+from services.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+TraceStatus = Literal["published", "spooled"]
+DRAIN_BATCH = 64  # records re-published concurrently (sent in spool order)
+
+
+def default_spool_dir(cache_dir: Path | None) -> Path:
+    """``<cache_dir>/spool`` when the gateway has a cache dir, else ``~/.cache/fanroute/spool``."""
+    return (cache_dir if cache_dir is not None else Path.home() / ".cache" / "fanroute") / "spool"
+
+
+class TraceOutbox:
+    """Publish with a bounded wait; spool, then drain, what was not acknowledged."""
+
+    def __init__(self, bus: Bus, metrics: GatewayMetrics, *, spool_dir: Path, publish_wait_s: float,
+                 max_bytes: int, max_records: int) -> None:
+        self.bus, self.metrics, self.publish_wait_s = bus, metrics, publish_wait_s
+        self.spool = Spool(spool_dir, "traces", max_bytes=max_bytes, max_records=max_records)
+        self._inflight: dict[int, asyncio.Future[None]] = {}  # spooled seq -> its first send, still going
+        self._landed: set[int] = set()  # spooled seqs whose first send was acknowledged later
+        self._loose: set[asyncio.Future[None]] = set()  # first sends of traces refused a spool slot
+        self._wake = asyncio.Event()
+        self._drainer: asyncio.Task[None] | None = None
+        m = metrics
+        m.spool_depth.set_function(lambda: self.spool.depth)
+        m.spool_oldest_age.set_function(self.spool.oldest_age_s)
+        m.spool_available.set_function(lambda: 1.0 if self.spool.available else 0.0)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Open the spool (what an earlier run left is drained) and start the drainer."""
+        try:
+            left = await asyncio.to_thread(self.spool.open)
+        except SpoolUnavailable as exc:
+            log.error("trace spool unavailable: %s; a trace Kafka does not acknowledge within %.2f s will be "
+                      "answered 503", exc, self.publish_wait_s)
+            left = []
+        if left:
+            log.warning("trace spool %s holds %d traces from an earlier run (oldest %.0f s); re-publishing",
+                        self.spool.path, len(left), self.spool.oldest_age_s())
+        if self.spool.torn_tail or self.spool.corrupt:
+            self.metrics.spool_damaged.inc(int(self.spool.torn_tail) + self.spool.corrupt)
+        self._drainer = asyncio.create_task(self._drain(), name="trace-spool-drainer")
+
+    async def stop(self) -> None:
+        """Stop draining; give the first sends still going ``publish_wait_s`` to land, record what did."""
+        if self._drainer is not None:
+            self._drainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drainer
+            self._drainer = None
+        going = [f for f in self._inflight.values() if not f.done()] + list(self._loose)
+        if going:
+            await asyncio.wait(going, timeout=self.publish_wait_s)
+        for seq, fut in list(self._inflight.items()):
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._landed.add(seq)
+        await asyncio.to_thread(self._apply_landed)
+        if self.spool.depth:
+            log.warning("gateway stopping with %d traces in the spool %s; the next start re-publishes them",
+                        self.spool.depth, self.spool.path)
+        await asyncio.to_thread(self.spool.close)
+
+    # ------------------------------------------------------------------ the request path
+    async def publish(self, trace: Trace) -> tuple[TraceStatus, str | None]:
+        """``("published", None)``, or ``("spooled", why)``; raises :class:`SpoolError` when neither."""
+        wire, value, key, headers = self.bus.record_of(topic("traces"), trace)
+        send = asyncio.ensure_future(self.bus.publish_raw(wire, value, key=key, headers=headers, timeout_s=None))
+        done, _ = await asyncio.wait({send}, timeout=self.publish_wait_s)
+        if send in done and send.exception() is None:
+            self.metrics.traces_published.inc()
+            return "published", None
+        why = (str(send.exception()) if send in done else
+               f"Kafka did not acknowledge within publish_wait_s={self.publish_wait_s:g}s")
+        try:
+            rec = await asyncio.to_thread(self.spool.append, wire, value, key=key, headers=headers)
+        except SpoolError as exc:
+            self.metrics.traces_unpublished.inc()
+            self.metrics.spool_refused.labels(exc.kind).inc()
+            log.error("trace %s neither acknowledged (%s) nor spooled: %s", trace.trace_id, why, exc)
+            if not send.done():  # it may still land; keep a reference so the send is not collected
+                self._loose.add(send)
+                send.add_done_callback(self._loose.discard)
+            else:
+                send.exception()  # retrieved: no "never retrieved" warning
+            raise
+        self.metrics.traces_spooled.inc()
+        log.warning("trace %s spooled (seq %d): %s", trace.trace_id, rec.seq, why)
+        if send.done():
+            send.exception()
+        else:
+            self._inflight[rec.seq] = send
+        send.add_done_callback(lambda fut, seq=rec.seq: self._first_send_done(seq, fut))
+        self._wake.set()
+        return "spooled", why
+
+    def _first_send_done(self, seq: int, fut: asyncio.Future[None]) -> None:
+        self._inflight.pop(seq, None)
+        if not fut.cancelled() and fut.exception() is None:
+            self._landed.add(seq)
+            self.metrics.spool_late_acks.inc()
+        self._wake.set()
+
+    # ------------------------------------------------------------------ draining
+    def _apply_landed(self) -> None:
+        if self._landed:
+            seqs, self._landed = self._landed, set()
+            self.spool.ack(seqs)
+
+    async def _drain(self) -> None:
+        retry = 0
+        while True:
+            self._wake.clear()
+            await asyncio.to_thread(self._apply_landed)
+            batch = [r for r in self.spool.pending()
+                     if r.seq not in self._inflight and r.seq not in self._landed][:DRAIN_BATCH]
+            if not batch:  # nothing, or only first sends still going: they wake us when they resolve
+                await self._wake.wait()
+                continue
+            ok = await self._republish(batch)
+            if ok:
+                retry = 0
+                continue
+            retry += 1
+            delay = transient_delay(self.bus.settings, retry)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+
+    async def _republish(self, batch: list[SpoolRecord]) -> bool:
+        """Send ``batch`` in spool order and wait for the outcomes; ack what landed. All landed?"""
+        t0 = time.monotonic()
+        sends = [asyncio.ensure_future(self.bus.publish_raw(r.topic, r.value, key=r.key, headers=r.headers,
+                                                            timeout_s=None)) for r in batch]
+        results = await asyncio.gather(*sends, return_exceptions=True)
+        landed = [r.seq for r, res in zip(batch, results, strict=True) if res is None]
+        failed = [res for res in results if res is not None]
+        if landed:
+            await asyncio.to_thread(self.spool.ack, landed)
+            self.metrics.spool_republished.inc(len(landed))
+            log.info("re-published %d spooled traces in %.2f s; %d left", len(landed), time.monotonic() - t0,
+                     self.spool.depth)
+        if failed:
+            exc = failed[0]
+            if not isinstance(exc, Exception):
+                raise exc  # CancelledError and friends
+            log.warning("re-publishing spooled traces: %d of %d failed (%s); retrying", len(failed), len(batch),
+                        exc)
+            return False
+        return True
+
+    # ------------------------------------------------------------------ reporting
+    def describe(self) -> dict[str, Any]:
+        """For ``/healthz``: where the spool is, how many traces wait and for how long."""
+        out: dict[str, Any] = {"status": "ok" if self.spool.available else "unavailable",
+                               "path": str(self.spool.path), "depth": self.spool.depth,
+                               "bytes": self.spool.pending_bytes,
+                               "oldest_age_s": round(self.spool.oldest_age_s(), 3),
+                               "publish_wait_s": self.publish_wait_s}
+        if self.spool.error and not self.spool.available:
+            out["error"] = self.spool.error
+        return out
+
+
+__all__ = ["TraceOutbox", "TraceStatus", "default_spool_dir"]

@@ -1,0 +1,166 @@
+"""The gateway's trace outbox on the in-memory bus: a bounded publish wait, the spool, draining,
+restarts, and the explicit 503 when the spool cannot take a trace."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from schemas import Trace, topic
+from services.common.bus import Bus
+from services.common.errors import BusError
+from services.common.settings import KafkaSettings
+from services.gateway.app import build_gateway, create_app
+from services.gateway.settings import GatewaySettings
+from services.providers.config import BM25Config
+from tests.support.fakes import StaticProvider
+from tests.support.poll import eventually
+
+WAIT_S = 0.05
+
+
+class GatedBus(Bus):
+    """The in-memory bus with a broker that can be paused (sends wait) or down (sends fail)."""
+
+    def __init__(self, settings: KafkaSettings) -> None:
+        super().__init__(settings)
+        self.running = asyncio.Event()
+        self.running.set()
+        self.down = False
+        self.sends = 0
+
+    async def publish_raw(self, topic, value, *, key, headers, timeout_s="setting") -> None:
+        self.sends += 1
+        if self.down:
+            raise BusError(f"publish to {topic} failed: KafkaConnectionError")
+        await self.running.wait()
+        await super().publish_raw(topic, value, key=key, headers=headers, timeout_s=timeout_s)
+
+
+def _settings(spool_dir, **kw) -> GatewaySettings:
+    kafka = KafkaSettings(bootstrap_servers="memory://", transient_backoff_initial_s=0.02,
+                          transient_backoff_max_s=0.05)
+    return GatewaySettings(kafka=kafka, providers=[BM25Config(name="unused")], spool_dir=spool_dir,
+                           **{"publish_wait_s": WAIT_S, **kw})
+
+
+@asynccontextmanager
+async def gateway(spool_dir, **kw):
+    settings = _settings(spool_dir, **kw)
+    gw = build_gateway(settings, bus=GatedBus(settings.kafka), providers=[StaticProvider("a", ("u1",))])
+    got: list[Trace] = []
+
+    async def on_trace(t: Trace) -> None:
+        got.append(t)
+
+    gw.bus.subscribe(topic("traces"), on_trace, group_id="test")
+    await gw.start()
+    app = create_app(settings, gateway=gw)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            yield client, gw, got
+    finally:
+        gw.bus.running.set()
+        await gw.stop()
+
+
+def _metric(text: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+async def test_a_paused_broker_answers_spooled_in_bounded_time_and_the_late_ack_is_not_republished(tmp_path):
+    async with gateway(tmp_path / "spool") as (client, gw, got):
+        gw.bus.running.clear()
+        t0 = time.perf_counter()
+        r = await client.post("/v1/search", json={"query": "q", "request_id": "r-1"})
+        took = time.perf_counter() - t0
+        assert r.status_code == 200 and r.json()["trace_status"] == "spooled"
+        assert r.headers["X-Fanroute-Trace"] == "spooled" and "publish_wait_s=0.05" in r.json()["trace_error"]
+        assert took < WAIT_S + 2.0
+        health = (await client.get("/healthz")).json()["spool"]
+        assert health["depth"] == 1 and health["status"] == "ok"
+        metrics = (await client.get("/metrics")).text
+        assert _metric(metrics, "fanroute_traces_spool_depth") == 1
+        assert _metric(metrics, "fanroute_traces_spool_oldest_age_seconds") >= 0
+        gw.bus.running.set()  # the broker is back: the first send lands, the spooled copy is done with
+        await eventually(lambda: gw.outbox.spool.depth == 0 and got, timeout_s=5, what="the spool drained")
+        metrics = (await client.get("/metrics")).text
+        assert _metric(metrics, "fanroute_traces_spool_late_acks_total") == 1
+        assert _metric(metrics, "fanroute_traces_spool_republished_total") == 0
+        assert [t.trace_id for t in got] == [r.json()["trace_id"]] and gw.bus.sends == 1
+
+
+async def test_a_failed_send_is_republished_from_the_spool_in_order(tmp_path):
+    async with gateway(tmp_path / "spool") as (client, gw, got):
+        gw.bus.down = True
+        answers = [(await client.post("/v1/search", json={"query": f"q{i}", "request_id": f"r-{i}"})).json()
+                   for i in range(5)]
+        assert {a["trace_status"] for a in answers} == {"spooled"}
+        assert "KafkaConnectionError" in answers[0]["trace_error"]
+        assert [r.seq for r in gw.outbox.spool.pending()] == [1, 2, 3, 4, 5]
+        gw.bus.down = False
+        await eventually(lambda: len(got) >= 5 and gw.outbox.spool.depth == 0, timeout_s=5,
+                         what="every spooled trace re-published")
+        assert [t.trace_id for t in got] == [a["trace_id"] for a in answers]  # spool order
+        assert _metric((await client.get("/metrics")).text, "fanroute_traces_spool_republished_total") == 5
+        assert gw.outbox.spool.path.stat().st_size == 0  # drained and truncated
+
+
+async def test_a_restart_drains_what_the_last_run_spooled(tmp_path):
+    async with gateway(tmp_path / "spool") as (client, gw, got):
+        gw.bus.down = True
+        ids = [(await client.post("/v1/search", json={"query": "q", "request_id": f"r-{i}"})).json()["trace_id"]
+               for i in range(3)]
+        assert gw.outbox.spool.depth == 3
+    assert got == []
+    async with gateway(tmp_path / "spool") as (client, gw, got):
+        await eventually(lambda: len(got) >= 3 and gw.outbox.spool.depth == 0, timeout_s=5,
+                         what="the spool of the last run drained")
+        assert [t.trace_id for t in got] == ids
+
+
+async def test_a_full_spool_is_a_503_with_a_reason_and_a_metric(tmp_path):
+    async with gateway(tmp_path / "spool", spool_max_records=1) as (client, gw, got):
+        gw.bus.down = True
+        assert (await client.post("/v1/search", json={"query": "q1"})).json()["trace_status"] == "spooled"
+        r = await client.post("/v1/search", json={"query": "q2"})
+        assert r.status_code == 503 and r.json()["error"] == "spool_full"
+        assert "limit is 1" in r.json()["reason"] and "retry with the same request_id" in r.json()["reason"]
+        metrics = (await client.get("/metrics")).text
+        assert 'fanroute_traces_spool_refused_total{reason="spool_full"} 1.0' in metrics
+        assert _metric(metrics, "fanroute_traces_unpublished_total") == 1
+
+
+async def test_an_unwritable_spool_still_publishes_and_refuses_only_what_it_cannot_keep(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    async with gateway(blocker / "spool") as (client, gw, got):
+        health = (await client.get("/healthz")).json()["spool"]
+        assert health["status"] == "unavailable" and "cannot open spool" in health["error"]
+        assert _metric((await client.get("/metrics")).text, "fanroute_traces_spool_available") == 0
+        ok = await client.post("/v1/search", json={"query": "q1"})
+        assert ok.status_code == 200 and ok.json()["trace_status"] == "published"
+        gw.bus.down = True
+        r = await client.post("/v1/search", json={"query": "q2"})
+        assert r.status_code == 503 and r.json()["error"] == "spool_unavailable"
+        assert "cannot open spool" in r.json()["reason"]
+        assert 'fanroute_traces_spool_refused_total{reason="spool_unavailable"} 1.0' in (
+            await client.get("/metrics")).text
+
+
+@pytest.mark.parametrize("field, value", [("publish_wait_s", 0), ("publish_wait_s", 31),
+                                          ("spool_max_records", 0), ("spool_max_bytes", 10)])
+def test_outbox_settings_are_bounded(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        _settings(tmp_path, **{field: value})
+
+
+def test_settings_read_the_spool_dir_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("FANROUTE_SPOOL_DIR", str(tmp_path / "s"))
+    monkeypatch.setenv("FANROUTE_PUBLISH_WAIT_S", "0.25")
+    s = GatewaySettings(kafka=KafkaSettings(bootstrap_servers="memory://"), providers=[BM25Config(name="x")])
+    assert s.spool_dir == tmp_path / "s" and s.publish_wait_s == 0.25
