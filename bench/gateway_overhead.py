@@ -99,8 +99,8 @@ async def bench(args: argparse.Namespace) -> dict:
                     body = await r.json()
                     timing = dict(p.strip().split(";dur=") for p in r.headers["Server-Timing"].split(","))
                 total = (time.perf_counter() - t) * 1000
-                if not body["trace_published"]:
-                    raise RuntimeError("trace not published")
+                if body["trace_status"] != "published":
+                    raise RuntimeError(f"trace {body['trace_status']}, not published")
                 return total - max(c["latency_ms"] for c in body["candidates"]), float(timing["gateway"])
 
             async def plain() -> float:

@@ -199,7 +199,7 @@ async def one(http: aiohttp.ClientSession, url: str, body: dict, scheduled: floa
         if data is not None:
             route = data.get("route") or {}
             row.update(ok=True, mode=data["mode"], calls=[c["provider"] for c in data["candidates"]],
-                       published=data["trace_published"], fallback=route.get("fallback"),
+                       published=data["trace_status"] == "published", fallback=route.get("fallback"),
                        router_ms=route.get("router_ms"))
     row["ms"] = (loop.time() - scheduled) * 1000.0
     win.rows.append(row)

@@ -27,7 +27,7 @@ class ReplaySummary:
     requests: int = 0
     ok: int = 0
     errors: dict[str, int] = field(default_factory=dict)
-    traces_unpublished: int = 0
+    traces_spooled: int = 0  # answered trace_status=spooled: on the way to Kafka from the spool
     contested: int = 0
     provider_errors: int = 0
     seconds: float = 0.0
@@ -47,7 +47,7 @@ class ReplaySummary:
         return (f"requests={self.requests} ok={self.ok} errors={errs} {dict(self.errors) or ''}\n"
                 f"latency p50={p['p50_ms']:.1f} ms p99={p['p99_ms']:.1f} ms over {self.seconds:.1f} s "
                 f"({self.requests / self.seconds if self.seconds else 0:.1f} req/s)\n"
-                f"traces unpublished={self.traces_unpublished} contested={self.contested} "
+                f"traces spooled={self.traces_spooled} contested={self.contested} "
                 f"provider errors={self.provider_errors}")
 
 
@@ -87,7 +87,7 @@ async def _send(client: httpx.AsyncClient, q: ReplayQuery, summary: ReplaySummar
         if r.status_code == 200:
             body = r.json()
             summary.ok += 1
-            summary.traces_unpublished += not body["trace_published"]
+            summary.traces_spooled += body.get("trace_status") == "spooled"
             summary.contested += bool(body["signals"]["contested"])
             summary.provider_errors += sum(c["error"] is not None for c in body["candidates"])
             return

@@ -89,7 +89,7 @@ async def test_replay_against_a_running_gateway():
     async with served(create_app(settings, gateway=gw), port, what="gateway", start_timeout_s=30) as url:
         queries = sample_queries(("adi",), limit=6)
         summary = await replay(url, queries, rate=200, concurrency=3, progress=False)
-    assert (summary.requests, summary.ok, summary.errors, summary.traces_unpublished) == (6, 6, {}, 0)
+    assert (summary.requests, summary.ok, summary.errors, summary.traces_spooled) == (6, 6, {}, 0)
     assert summary.contested == 6  # disjoint citations: overlap 0
     assert sorted(c for p in gw.providers for c in p.calls) == sorted(2 * [q.text for q in queries])
 
