@@ -158,6 +158,14 @@ class AdapterStore:
                 shutil.rmtree(partial, ignore_errors=True)
         return final
 
+    def remove_partials(self) -> int:
+        """Delete the temporary dirs of pulls that never finished (a sampler killed mid-pull leaves
+        one); call at start, before this process pulls anything. Returns how many went."""
+        stale = list(self.root.glob("*/.partial-*"))
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        return len(stale)
+
     def scan(self) -> list[tuple[str, int, Path]]:
         """Every verified version already in the cache, as (model_id, version, dir)."""
         found = []
@@ -195,8 +203,11 @@ class AdapterWorker:
         self._locks: dict[str, asyncio.Lock] = {}
 
     def restore(self) -> int:
-        """Register the versions already verified in the cache (after a restart); returns how many."""
+        """Register the versions already verified in the cache (after a restart), after removing what
+        unfinished pulls left; returns how many were registered."""
         reg = self.sampler.registry
+        if removed := self.store.remove_partials():
+            log.info("removed %d unfinished pulls from %s", removed, self.store.root)
         found = self.store.scan()
         for model_id, version, path in found:
             reg.add(AdapterEntry(versioned_name(model_id, version), path, model_id=model_id, version=version))
