@@ -6,6 +6,7 @@ refuses a version this build does not read with a clear error.
 
 from schemas.adapter import AdapterPublished
 from schemas.base import Message, decode
+from schemas.call import Call, CallTimings
 from schemas.dead_letter import DeadLetter
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.task import Task
@@ -14,7 +15,7 @@ from schemas.trace import Candidate, Citation, Route, Signals, Trace
 from schemas.verdict import CandidateGrade, Verdict
 
 __all__ = [
-    "AdapterPublished", "Candidate", "CandidateGrade", "ChatMessage", "Citation", "DeadLetter",
+    "AdapterPublished", "Call", "CallTimings", "Candidate", "CandidateGrade", "ChatMessage", "Citation", "DeadLetter",
     "Episode", "Message", "RewardComponent", "Route", "Signals", "Task", "TOPICS", "TopicSpec", "Trace",
     "Verdict", "decode", "topic",
 ]

@@ -15,6 +15,7 @@ from typing import Protocol
 from schemas.adapter import AdapterPublished
 from schemas.base import Message
 from schemas.calibration import CalibrationRecord, Review
+from schemas.call import Call
 from schemas.episode import Episode
 from schemas.task import Task
 from schemas.trace import Trace
@@ -77,6 +78,11 @@ TOPICS: dict[str, TopicSpec] = {
                   description="A person's mark on one verdict (fanroute calibrate mark).",
                   producers=("calibrate CLI",),
                   planned_consumers=("calibration set export (not yet built)",)),
+        TopicSpec("calls", Call, "trace_id", partitions=6,
+                  description="One model call a harness made through the relay: prompt ids, sampled ids and "
+                              "their logprobs, the disposition, the adapter version, timings, the request.",
+                  producers=("relay",),
+                  planned_consumers=("trainer (rl run kind, not yet built)",)),
     )
 }
 

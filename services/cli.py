@@ -18,10 +18,11 @@ SERVICES: dict[str, tuple[str, str]] = {
     "episodes": ("services.episodes.__main__", "run the episode builder (same as python -m services.episodes)"),
     "publisher": ("services.publisher.__main__", "serve the adapter publisher (same as python -m services.publisher)"),
     "sampler": ("services.sampler.__main__", "serve the CPU sampler (same as python -m services.sampler)"),
+    "relay": ("services.relay.__main__", "serve the token-in/token-out relay (same as python -m services.relay)"),
 }
 #: Packages whose ``cli.py`` registers commands, in help order.
 COMMANDS = ("services.tools.cli", "services.judge.cli", "services.episodes.cli", "services.importer.cli",
-            "services.publisher.cli", "services.models.cli", "services.trainer.cli", "services.evaluate.cli",
+            "services.publisher.cli", "services.relay.cli", "services.models.cli", "services.trainer.cli", "services.evaluate.cli",
             "services.common.cli")
 
 

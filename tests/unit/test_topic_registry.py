@@ -33,6 +33,7 @@ SERVICE_OF = {
     "services/episodes/cli.py": "episodes CLI",
     "services/publisher/": "publisher",
     "services/sampler/": "sampler",
+    "services/relay/": "relay",
     "services/trainer/": "trainer",
     "services/evaluate/": "evaluate",
     "services/tools/demo.py": "demo",

@@ -1,0 +1,16 @@
+"""``python -m services.relay``: parse settings, then load the policy's tokenizer and serve (``app.py``)."""
+
+from __future__ import annotations
+
+import sys
+
+from services.common.entry import app_main
+from services.relay.settings import RelaySettings
+
+
+def main() -> int:
+    return app_main("relay", RelaySettings, "services.relay.app")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

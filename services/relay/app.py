@@ -1,0 +1,200 @@
+"""The relay's HTTP surface: OpenAI's and Anthropic's APIs under ``/tr/<trace_id>/``, and admin routes.
+
+- ``POST /tr/{trace_id}/v1/chat/completions`` (OpenAI), ``POST /tr/{trace_id}/v1/messages`` (Anthropic),
+  ``GET /tr/{trace_id}/v1/models`` (either SDK's model list), streaming or not;
+- ``POST /admin/v1/credentials`` ``{"trace_id", "ttl_s"?}`` → a one-episode token;
+  ``POST /admin/v1/credentials/revoke`` ``{"token"}``; ``POST /admin/v1/episodes/{trace_id}/end`` → the
+  episode's calls folded into segments and datums. Admin routes need ``FANROUTE_ADMIN_TOKEN`` (as a
+  Bearer token) and do not exist without it; an episode token never opens them;
+- ``GET /healthz``.
+
+A harness's credential is checked before its body is read; a refusal (401/403) never reaches the
+sampler. User agents are never looked at. Every error is ``{"error": <kind>, "reason": <text>}`` plus
+``message`` (what both SDKs show).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from schemas.call import TRACE_ID_PATTERN
+from services.common.http import BodyLimit, lifespan_of
+from services.relay import wire_anthropic, wire_openai
+from services.relay.conversation import BadRequest
+from services.relay.credentials import token_of
+from services.relay.render import RenderRefused
+from services.relay.sampling import SamplerUnavailable
+from services.relay.service import Relay
+from services.relay.settings import RelaySettings
+
+_TRACE = re.compile(TRACE_ID_PATTERN)
+
+
+def refuse(status: int, kind: str, reason: str, param: str | None = None) -> JSONResponse:
+    """fanroute's error body, plus ``message`` (and ``param``) as the SDKs read them."""
+    body: dict[str, Any] = {"error": kind, "reason": reason, "message": reason}
+    if param:
+        body["param"] = param
+    headers = {"www-authenticate": "Bearer"} if status == 401 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _validation_reason(exc: ValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    reason = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:5])
+    first = errors[0]["loc"][:1] if errors else ()
+    return reason, str(first[0]) if first else None
+
+
+async def _json_object(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"body: not valid JSON ({exc})") from exc
+    if not isinstance(body, dict):
+        raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAPI:
+    r = relay or Relay(settings)
+    app = FastAPI(title="fanroute relay", version="0.1.0", lifespan=lifespan_of(r),
+                  description="OpenAI and Anthropic APIs in, token ids to the sampler, every call recorded.")
+    app.state.relay = r
+    app.add_middleware(BodyLimit, default=settings.max_body_bytes)
+    admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, exc: BadRequest) -> JSONResponse:
+        return refuse(exc.status, exc.kind, exc.reason, exc.param)
+
+    @app.exception_handler(RenderRefused)
+    async def _render(request: Request, exc: RenderRefused) -> JSONResponse:
+        return refuse(400, "unsupported_conversation", str(exc), "messages")
+
+    @app.exception_handler(ValidationError)
+    async def _invalid(request: Request, exc: ValidationError) -> JSONResponse:
+        reason, param = _validation_reason(exc)
+        return refuse(400, "invalid_request", reason, param)
+
+    @app.exception_handler(SamplerUnavailable)
+    async def _sampler(request: Request, exc: SamplerUnavailable) -> JSONResponse:
+        return refuse(502, "sampler_unavailable", str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        reason = (f"no route {request.method} {request.url.path} (the relay serves /tr/<trace_id>/v1/chat/completions, "
+                  "/tr/<trace_id>/v1/messages and /tr/<trace_id>/v1/models)") if exc.status_code == 404 else str(exc.detail)
+        return refuse(exc.status_code, kind, reason)
+
+    async def episode(request: Request, trace_id: str) -> JSONResponse | None:
+        """None when the request may use ``trace_id``; else the refusal."""
+        if not _TRACE.match(trace_id):
+            return refuse(400, "invalid_trace_id", f"trace id {trace_id[:200]!r} does not match {TRACE_ID_PATTERN}")
+        if not settings.auth:
+            return None
+        token = token_of(request.headers.get("authorization"), request.headers.get("x-api-key"))
+        refusal = await r.credentials.check(token, trace_id)
+        return None if refusal is None else refuse(refusal.status, refusal.kind, refusal.reason)
+
+    async def serve(request: Request, trace_id: str, wire: str) -> Any:
+        if (refusal := await episode(request, trace_id)) is not None:
+            return refusal
+        raw = await _json_object(request)
+        if wire == "openai":
+            req = wire_openai.parse(raw, default_max_tokens=settings.default_max_tokens,
+                                    max_tokens_limit=settings.max_tokens_limit, max_stop=settings.max_stop_sequences)
+        else:
+            req = wire_anthropic.parse(raw, max_tokens_limit=settings.max_tokens_limit,
+                                       max_stop=settings.max_stop_sequences)
+        out = await r.call(trace_id, req, request.headers)
+        suffix = out.call.call_id.replace(":", "_")
+        if not req.stream:
+            body = (wire_openai.completion(req, out.reply, out.token_texts, suffix) if wire == "openai"
+                    else wire_anthropic.message(req, out.reply, suffix))
+            return JSONResponse(body)
+        events = (wire_openai.chunks(req, out.reply, out.deltas, out.token_texts, suffix) if wire == "openai"
+                  else wire_anthropic.events(req, out.reply, out.deltas, suffix))
+        return StreamingResponse(iter(list(events)), media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache"})
+
+    @app.post("/tr/{trace_id}/v1/chat/completions")
+    async def chat_completions(request: Request, trace_id: str) -> Any:
+        return await serve(request, trace_id, "openai")
+
+    @app.post("/tr/{trace_id}/v1/messages")
+    async def messages(request: Request, trace_id: str) -> Any:
+        return await serve(request, trace_id, "anthropic")
+
+    @app.get("/tr/{trace_id}/v1/models")
+    async def models(request: Request, trace_id: str) -> Any:
+        if (refusal := await episode(request, trace_id)) is not None:
+            return refusal
+        name, _ = await r.policy()
+        a, o = wire_anthropic.models([name]), wire_openai.models([name])
+        return {**a, "object": "list", "data": [{**x, **y} for x, y in zip(a["data"], o["data"])]}
+
+    # ------------------------------------------------------------------------------ admin
+    def admin_refusal(request: Request) -> JSONResponse | None:
+        if not admin_token:
+            return refuse(404, "not_found", "the admin routes are off (set FANROUTE_ADMIN_TOKEN, or mint with "
+                          "`fanroute credentials mint`)")
+        scheme, _, value = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not value:
+            return refuse(401, "unauthenticated", "the admin routes need 'Authorization: Bearer <admin token>'")
+        if not hmac.compare_digest(value.strip().encode(), admin_token.encode()):
+            return refuse(403, "forbidden", "not the admin token (an episode's token opens only its episode)")
+        return None
+
+    @app.post("/admin/v1/credentials")
+    async def mint(request: Request) -> Any:
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
+        body = await _json_object(request)
+        trace_id, ttl = body.get("trace_id"), body.get("ttl_s", settings.credential_ttl_s)
+        if not isinstance(trace_id, str) or not _TRACE.match(trace_id):
+            raise BadRequest(f"trace_id: a string matching {TRACE_ID_PATTERN}", "trace_id")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= 7 * 86_400:
+            raise BadRequest("ttl_s: seconds, more than 0 and at most 604800", "ttl_s")
+        token = await r.credentials.mint(trace_id, float(ttl), settings.credential_tombstone_s)
+        return JSONResponse({"trace_id": trace_id, "token": token, "ttl_s": ttl,
+                             "base_path": f"/tr/{trace_id}"}, status_code=201)
+
+    @app.post("/admin/v1/credentials/revoke")
+    async def revoke(request: Request) -> Any:
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
+        token = (await _json_object(request)).get("token")
+        if not isinstance(token, str) or not token:
+            raise BadRequest("token: the token to revoke", "token")
+        if not await r.credentials.revoke(token, settings.credential_tombstone_s):
+            return refuse(404, "unknown_credential", "no such credential (never minted, or long expired)")
+        return {"revoked": True}
+
+    @app.post("/admin/v1/episodes/{trace_id}/end")
+    async def end(request: Request, trace_id: str) -> Any:
+        if (refusal := admin_refusal(request)) is not None:
+            return refusal
+        if not _TRACE.match(trace_id):
+            raise BadRequest(f"trace id does not match {TRACE_ID_PATTERN}", "trace_id")
+        calls = await r.state.calls(trace_id)
+        if not calls:
+            return refuse(404, "unknown_episode", "no calls recorded for this trace id (or they expired)")
+        return await r.end(trace_id, calls)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "renderer": r.renderer.name, "sampler": settings.sampler_url,
+                "kafka": "memory" if r.bus.in_memory else settings.kafka.bootstrap_servers}
+
+    return app

@@ -1,0 +1,87 @@
+"""The relay's client of the sampler's raw completions endpoint (the CPU sampler or vLLM): token ids in,
+sampled token ids and their logprobs out (``return_token_ids``, ``logprobs``), nothing re-tokenized."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from services.relay.conversation import BadRequest, Sampling
+
+
+class SamplerUnavailable(Exception):
+    """The sampler did not answer, or answered with a 5xx (a 502 to the harness)."""
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    top_logprobs: list[dict[str, float]] | None
+
+
+def completion_body(model: str, prompt_ids: list[int], s: Sampling) -> dict[str, Any]:
+    """The ``/v1/completions`` body: the prompt as token ids, the sampled ids and logprobs asked back."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt_ids, "max_tokens": s.max_tokens,
+                            "logprobs": s.top_logprobs or 0, "return_token_ids": True, "stream": False}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(s, name) is not None:
+            body[name] = getattr(s, name)
+    if s.stop:
+        body["stop"] = list(s.stop)
+    return body
+
+
+class SamplerClient:
+    """One pooled HTTP client to the sampler."""
+
+    def __init__(self, base_url: str, timeout_s: float, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s, transport=transport)
+        self.calls = 0  # completions requests sent (tests check that refusals send none)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        try:
+            r = await self.client.request(method, path, **kw)
+        except httpx.HTTPError as exc:
+            raise SamplerUnavailable(f"the sampler at {self.client.base_url} did not answer: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        if r.status_code >= 500:
+            raise SamplerUnavailable(f"the sampler answered {r.status_code}: {r.text[:500]}")
+        return r
+
+    async def model_ids(self) -> list[str]:
+        r = await self._request("GET", "/v1/models")
+        if r.status_code != 200:
+            raise SamplerUnavailable(f"the sampler's /v1/models answered {r.status_code}: {r.text[:500]}")
+        return [m["id"] for m in r.json().get("data", [])]
+
+    async def complete(self, model: str, prompt_ids: list[int], s: Sampling) -> Sampled:
+        self.calls += 1
+        r = await self._request("POST", "/v1/completions", json=completion_body(model, prompt_ids, s))
+        if r.status_code != 200:  # the sampler refused the request (prompt too long, bad stop, ...)
+            try:
+                data = r.json()
+                reason = data.get("reason") or data.get("message") or (data.get("error") or {}).get("message")
+            except (ValueError, AttributeError):
+                reason = None
+            raise BadRequest(f"the sampler refused the call: {reason or r.text[:500]}", None,
+                             status=400 if r.status_code in (400, 413, 422) else r.status_code,
+                             kind="sampler_refused")
+        choice = r.json()["choices"][0]
+        lp = choice.get("logprobs") or {}
+        ids = list(choice.get("token_ids") or [])
+        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        if len(logprobs) != len(ids):
+            raise SamplerUnavailable(f"the sampler returned {len(ids)} token ids but {len(logprobs)} logprobs "
+                                     "(does it support return_token_ids?)")
+        return Sampled(token_ids=ids, logprobs=logprobs, text=choice.get("text") or "",
+                       finish_reason=choice.get("finish_reason") or "length", stop_reason=choice.get("stop_reason"),
+                       top_logprobs=lp.get("top_logprobs") if s.top_logprobs is not None else None)

@@ -1,0 +1,191 @@
+"""The running relay: render, sample, keep. One :meth:`Relay.call` per harness call.
+
+Per call: decide whether it is housekeeping (the header, or a configured rule), render the
+conversation to token ids with the policy's renderer (splicing in an earlier call's exact ids where the
+harness sent its reply back unchanged), sample through the sampler's ``/v1/completions`` with those
+ids, decide the disposition against the previous non-housekeeping call, publish the ``Call`` record on
+``calls`` (acks=all, before the harness gets its answer) and keep it in Redis for the next call and the
+episode's fold.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from schemas import topic
+from schemas.call import Call, CallTimings
+from services.common.bus import Bus
+from services.common.stamps import StampStore, stamp_store
+from services.relay.conversation import ChatRequest, Reply
+from services.relay.credentials import CredentialStore, credential_store
+from services.relay.render import Renderer, build_prompt, parse_tool_calls
+from services.relay.sampling import SamplerClient
+from services.relay.settings import RelaySettings
+from services.relay.state import CallState, call_state, entry_of, prior_of
+
+log = logging.getLogger(__name__)
+TRUE = {"1", "true", "yes", "on"}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A served call: its record, the reply, and what streaming needs (text deltas, token texts)."""
+
+    call: Call
+    reply: Reply
+    deltas: list[str]
+    token_texts: list[str]
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def disposition(prompt_ids: list[int], previous: Call | None) -> str:
+    """``extend`` when the prompt starts with the previous call's prompt + sampled ids, else a new segment."""
+    if previous is None:
+        return "new_segment:first"
+    before = [*previous.prompt_ids, *previous.sampled_ids]
+    return "extend" if len(prompt_ids) >= len(before) and prompt_ids[:len(before)] == before \
+        else "new_segment:history_rewrite"
+
+
+class Relay:
+    """Renderer, sampler client, Kafka, and the Redis stores of credentials, calls and adapter stamps."""
+
+    def __init__(self, settings: RelaySettings, *, renderer: Renderer | None = None,
+                 sampler: SamplerClient | None = None, credentials: CredentialStore | None = None,
+                 state: CallState | None = None, stamps: StampStore | None = None, bus: Bus | None = None) -> None:
+        ns = settings.kafka.topic_namespace
+        self.settings = settings
+        self._renderer = renderer
+        self.sampler = sampler or SamplerClient(settings.sampler_url, settings.sampler_timeout_s)
+        self.credentials = credentials or credential_store(settings.redis.url, ns)
+        self.state = state or call_state(settings.redis.url, ns, settings.state_ttl_s)
+        self.stamps = stamps or stamp_store(settings.redis.url, ns)
+        self.bus = bus or Bus(settings.kafka, client_id=f"{settings.kafka.client_id}-relay")
+        self.rules = [re.compile(r, re.IGNORECASE) for r in settings.housekeeping_rules]
+        self._base_model: str | None = settings.base_model_name
+
+    @property
+    def renderer(self) -> Renderer:
+        if self._renderer is None:
+            self._renderer = Renderer(load_tokenizer(self.settings.tokenizer), self.settings.renderer)
+        return self._renderer
+
+    async def start(self) -> None:
+        _ = self.renderer  # load the tokenizer before serving
+        await self.bus.start((topic("calls"),))
+
+    async def stop(self) -> None:
+        await self.bus.stop()
+        for closing in (self.sampler, self.credentials, self.state, self.stamps):
+            await closing.close()
+
+    # ------------------------------------------------------------------------- policy
+    async def base_model(self) -> str:
+        if self._base_model is None:
+            ids = await self.sampler.model_ids()
+            if not ids:
+                from services.relay.sampling import SamplerUnavailable
+
+                raise SamplerUnavailable("the sampler lists no model")
+            self._base_model = ids[0]
+        return self._base_model
+
+    async def policy(self) -> tuple[str, str | None]:
+        """(model name for the sampler, adapter version or None): the adapter's newest stamp, else the base."""
+        model_id = self.settings.adapter_model_id
+        if model_id:
+            version = await self.stamps.get(model_id)
+            if version > 0:
+                name = f"{model_id}@{version}"
+                return name, name
+        return await self.base_model(), None
+
+    def housekeeping(self, req: ChatRequest, headers: Any) -> str | None:
+        """Why this call is housekeeping (``header`` / ``rule:<pattern>``), or None."""
+        if str(headers.get(self.settings.housekeeping_header, "")).strip().lower() in TRUE:
+            return "header"
+        system, user = req.texts()
+        for rule in self.rules:
+            if rule.search(system) or rule.search(user):
+                return f"rule:{rule.pattern}"
+        return None
+
+    async def end(self, trace_id: str, calls: list[Call]) -> dict[str, Any]:
+        """The episode's calls folded into segments and datums (what the trainer trains on)."""
+        counts: dict[str, int] = {}
+        for c in calls:
+            counts[c.disposition] = counts.get(c.disposition, 0) + 1
+        return {"trace_id": trace_id, "calls": len(calls), "dispositions": counts}
+
+    # --------------------------------------------------------------------------- calls
+    async def call(self, trace_id: str, req: ChatRequest, headers: Any) -> Outcome:
+        t0, started = time.perf_counter(), datetime.now(UTC)
+        reason = self.housekeeping(req, headers)
+        entries = await self.state.entries(trace_id)
+        kept = [e for e in entries if not e["call"]["housekeeping"]]
+        prompt_ids, spliced = build_prompt(self.renderer, req.messages, req.tools, [prior_of(e) for e in kept])
+        t1 = time.perf_counter()
+        model, adapter = await self.policy()
+        sampled = await self.sampler.complete(model, prompt_ids, req.sampling)
+        t2 = time.perf_counter()
+        index = await self.state.next_index(trace_id)
+        text, calls = sampled.text, []
+        if req.tools and self.renderer.hermes:
+            text, calls = parse_tool_calls(sampled.text, f"call_{trace_id[-8:]}_{index}_")
+            if req.wire == "anthropic":
+                calls = [{**c, "id": "toolu_" + c["id"][5:]} for c in calls]
+        reply = Reply(text=text, tool_calls=calls, finish_reason="stop" if sampled.finish_reason == "stop" else "length",
+                      stop_reason=sampled.stop_reason, sampled_ids=sampled.token_ids, logprobs=sampled.logprobs,
+                      top_logprobs=sampled.top_logprobs, prompt_tokens=len(prompt_ids))
+        previous = max((Call.model_validate(e["call"]) for e in kept), key=lambda c: c.call_index, default=None)
+        call = Call(call_id=f"{trace_id}:{index}", trace_id=trace_id, call_index=index,
+                    disposition="housekeeping" if reason else disposition(prompt_ids, previous),  # type: ignore[arg-type]
+                    housekeeping=reason is not None, housekeeping_reason=reason, prompt_ids=tuple(prompt_ids),
+                    sampled_ids=tuple(sampled.token_ids), sampled_logprobs=tuple(sampled.logprobs),
+                    spliced_from=spliced, adapter=adapter, sampler_model=model, renderer=self.renderer.name,
+                    wire=req.wire, stream=req.stream, text=sampled.text, finish_reason=reply.finish_reason,
+                    stop_reason=sampled.stop_reason, request=req.raw, started_at=started,
+                    timings=CallTimings(render_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
+                                        total_ms=(time.perf_counter() - t0) * 1e3))
+        await self.bus.publish(topic("calls"), call)
+        await self.state.append(trace_id, entry_of(call, req.messages, req.tools, reply.message()))
+        texts = [self.renderer.token_text(t) for t in sampled.token_ids] if req.sampling.top_logprobs is not None else []
+        return Outcome(call, reply, text_deltas(self.renderer, sampled.token_ids, text) if req.stream else [], texts)
+
+
+def text_deltas(renderer: Renderer, ids: list[int], text: str) -> list[str]:
+    """``text`` cut at token boundaries (a token that ends inside a UTF-8 character waits for the next):
+    the streamed deltas, which join to exactly ``text``."""
+    out, emitted = [], 0
+    for i in range(1, len(ids) + 1):
+        partial = renderer.decode(ids[:i])
+        if partial.endswith("\ufffd"):
+            continue
+        n = len(partial) if text.startswith(partial) else _common(partial, text)
+        if n > emitted:
+            out.append(text[emitted:n])
+            emitted = n
+        if emitted >= len(text):
+            break
+    if emitted < len(text):
+        out.append(text[emitted:])
+    return out
+
+
+def _common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
