@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import re
 from typing import Any
 
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.call import TRACE_ID_PATTERN
+from services.common.datums import DatumError
 from services.common.http import BodyLimit, lifespan_of
 from services.relay import wire_anthropic, wire_openai
 from services.relay.conversation import BadRequest
@@ -187,10 +189,18 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
             return refusal
         if not _TRACE.match(trace_id):
             raise BadRequest(f"trace id does not match {TRACE_ID_PATTERN}", "trace_id")
+        raw = await request.body()
+        body = await _json_object(request) if raw.strip() else {}
+        advantage = body.get("advantage", 0.0)
+        if isinstance(advantage, bool) or not isinstance(advantage, int | float) or not math.isfinite(advantage):
+            raise BadRequest("advantage: a finite number (given to every sampled token)", "advantage")
         calls = await r.state.calls(trace_id)
         if not calls:
             return refuse(404, "unknown_episode", "no calls recorded for this trace id (or they expired)")
-        return await r.end(trace_id, calls)
+        try:
+            return await r.end(trace_id, calls, float(advantage))
+        except DatumError as exc:
+            return refuse(409, "unfoldable_episode", str(exc))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

@@ -23,7 +23,8 @@ class BadRequest(FanrouteError):
     def __init__(self, reason: str, param: str | None = None, *, status: int = 400,
                  kind: str = "invalid_request") -> None:
         super().__init__(reason)
-        self.status, self.kind, self.reason, self.param = status, kind, reason, param
+        top = param.split("[")[0].split(".")[0] if param else None  # the body's field: messages, stop, ...
+        self.status, self.kind, self.reason, self.param = status, kind, reason, top
 
 
 @dataclass(frozen=True)

@@ -120,12 +120,17 @@ class Relay:
                 return f"rule:{rule.pattern}"
         return None
 
-    async def end(self, trace_id: str, calls: list[Call]) -> dict[str, Any]:
-        """The episode's calls folded into segments and datums (what the trainer trains on)."""
+    async def end(self, trace_id: str, calls: list[Call], advantage: float = 0.0) -> dict[str, Any]:
+        """The episode's calls folded into segments and each segment into a Tinker-shaped datum
+        (:func:`services.common.datums.episode_datums`), with ``advantage`` on every sampled token."""
+        from services.common.datums import episode_datums, fold_segments
+
         counts: dict[str, int] = {}
         for c in calls:
             counts[c.disposition] = counts.get(c.disposition, 0) + 1
-        return {"trace_id": trace_id, "calls": len(calls), "dispositions": counts}
+        datums = episode_datums(calls, advantage=advantage, trace_id=trace_id)
+        return {"trace_id": trace_id, "calls": len(calls), "dispositions": counts,
+                "segments": len(fold_segments(calls)), "datums": [d.model_dump(mode="json") for d in datums]}
 
     # --------------------------------------------------------------------------- calls
     async def call(self, trace_id: str, req: ChatRequest, headers: Any) -> Outcome:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from services.common.settings import ServiceSettings
 
@@ -58,3 +58,10 @@ class RelaySettings(ServiceSettings):
                                   "unset = no admin routes (mint with `fanroute credentials mint` instead)")
     auth: bool = Field(default=True, description="Require a one-episode credential on /tr/<trace_id>/ (tests "
                                                   "and benchmarks may turn it off)")
+
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> RelaySettings:
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens ({self.default_max_tokens}) is over max_tokens_limit "
+                             f"({self.max_tokens_limit})")
+        return self
