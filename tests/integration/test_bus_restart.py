@@ -15,6 +15,7 @@ import pytest
 from schemas import topic
 from services.common.bus import Bus
 from services.common.settings import KafkaSettings
+from tests.support.fault_matrix import count, report, test_id
 from tests.support.poll import eventually_sync
 from tests.support.processes import running
 from tests.support.records import trace
@@ -30,7 +31,7 @@ def _consumer(bootstrap: str, ns: str, out: Path, *, crash: bool = False):
     return running("tests/integration/consumer_proc.py", bootstrap, ns, str(out), "restart-group", crash=crash)
 
 
-async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path):
+async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path, request):
     ns = f"kill{uuid.uuid4().hex[:8]}."
     bus = Bus(KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns))
     await bus.start((topic("traces"),))
@@ -48,5 +49,8 @@ async def test_sigkill_and_restart_loses_nothing(kafka_bootstrap, tmp_path):
     with _consumer(kafka_bootstrap, ns, out):
         eventually_sync(lambda: set(_lines(out)) >= set(sent), timeout_s=120, what="the restarted consumer to finish")
     handled = _lines(out)
+    report(count("kill -9 mid-stream, restart (a bare bus consumer, no idempotency)", "bus consumer",
+                 test_id(request), records_in=len(sent), expected=sent,
+                 results=handled, before_kill=handled_before))
     assert set(handled) == set(sent)  # nothing lost
     assert len(handled) - len(sent) <= 2, f"{len(handled) - len(sent)} redeliveries"  # at most in-flight ones

@@ -16,6 +16,7 @@ from services.common.bus import Bus
 from services.common.dataset import dataset_as_of, write_jsonl
 from services.common.settings import KafkaSettings, RedisSettings
 from services.episodes.atif import write_atif
+from services.episodes.build import episode_id
 from services.episodes.settings import EpisodeSettings
 from services.episodes.tasks import write_task
 from services.episodes.verifier import run_verifier
@@ -26,6 +27,7 @@ from services.judge.settings import JudgeSettings
 from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
+from tests.support.fault_matrix import exactly_once, test_id
 from tests.support.poll import eventually
 from tests.support.processes import running, service_env
 from tests.support.records import judged_trace, verdict_for
@@ -86,7 +88,7 @@ def _builder(kafka: KafkaSettings, redis_url: str, *, crash: bool = False):
 
 
 @pytest.mark.slow
-async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_bootstrap, redis_url):
+async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_bootstrap, redis_url, request):
     kafka = _kafka(kafka_bootstrap)
     bus = Bus(kafka)
     await bus.start(tuple(topic(n) for n in ("traces", "verdicts", "episodes", "tasks")))
@@ -102,6 +104,8 @@ async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_b
         with _builder(kafka, redis_url, crash=True):
             await wait_for_records(kafka, "episodes", Episode, 5, timeout_s=120,
                                    what="5 episodes before the kill")
+        before_kill = len(await topic_records(kafka, "episodes", Episode))
+        assert before_kill < n, "the kill must land mid-stream"
         with _builder(kafka, redis_url):
             episodes = await wait_for_records(kafka, "episodes", Episode, n, timeout_s=180, what="every episode")
             await wait_for_records(kafka, "tasks", Task, n, timeout_s=60, what="every task")
@@ -114,8 +118,10 @@ async def test_builder_killed_and_restarted_loses_and_duplicates_nothing(kafka_b
     finally:
         await bus.stop()
     episodes = await topic_records(kafka, "episodes", Episode)
-    ids = [e.episode_id for e in episodes]
-    assert len(ids) == len(set(ids)) == n + 1  # nothing lost, nothing duplicated, replay ignored
+    exactly_once("kill -9 mid-stream, restart (then every verdict replayed)", "episode builder",
+                 test_id(request),
+                 records_in=3 * n + 2, expected={episode_id(f"t{i:03d}") for i in range(n)} | {episode_id("sentinel")},
+                 results=[e.episode_id for e in episodes], before_kill=before_kill)
     # tasks are at least once (a kill between a task and its episode repeats that task record,
     # same content, same id): one distinct task per episode
     tasks = await topic_records(kafka, "tasks", Task)

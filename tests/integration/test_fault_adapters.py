@@ -28,7 +28,7 @@ from services.publisher.settings import PublisherSettings
 from services.sampler.app import create_app as sampler_app
 from services.sampler.settings import SamplerSettings
 from services.sampler.worker import VERIFIED_MARKER
-from tests.support.fault_matrix import count, exactly_once, report
+from tests.support.fault_matrix import count, exactly_once, report, test_id
 from tests.support.poll import eventually
 from tests.support.processes import running, service_env
 from tests.support.serving import free_port, served
@@ -87,7 +87,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 async def test_sampler_killed_mid_stream_and_restarted_serves_every_adapter_once(
-        kafka_bootstrap, redis_url, tmp_path, tiny):
+        kafka_bootstrap, redis_url, tmp_path, tiny, request):
     base, adapter = tiny
     kafka = _kafka(kafka_bootstrap)
     n = 24
@@ -126,7 +126,7 @@ async def test_sampler_killed_mid_stream_and_restarted_serves_every_adapter_once
     partials = sorted(p.name for p in cache.glob("*/.partial-*"))
     repulled = {name: k for name, k in pulls.items() if k > 1}
     row = exactly_once("kill -9 mid-stream, restart", "sampler adapter worker",
-                       "test_fault_adapters.py::test_sampler_killed_mid_stream_and_restarted_serves_every_adapter_once",
+                       test_id(request),
                        records_in=n, expected=expected, results=listed, verified_before_kill=len(before),
                        pulls=sum(pulls.values()), pulls_before_kill=pulls_before, repulled=repulled,
                        partial_dirs_left=len(partials))
@@ -138,7 +138,7 @@ async def test_sampler_killed_mid_stream_and_restarted_serves_every_adapter_once
 
 
 async def test_publisher_down_while_an_adapter_is_announced_is_served_after_it_returns(
-        kafka_bootstrap, redis_url, tmp_path, tiny):
+        kafka_bootstrap, redis_url, tmp_path, tiny, request):
     base, adapter = tiny
     kafka = _kafka(kafka_bootstrap)
     pport, sport = free_port(), free_port()
@@ -154,28 +154,27 @@ async def test_publisher_down_while_an_adapter_is_announced_is_served_after_it_r
                                           adapter_cache_dir=tmp_path / "cache", publisher_url=pub_url,
                                           fetch_timeout_s=5, group_id=f"sampler-{uuid.uuid4().hex[:8]}"))
     outage: list[httpx.Response] = []
-    async with served(sampler, sport, what="sampler", start_timeout_s=120) as url:
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            async def unreachable() -> bool:  # "router" is known once the announcement is read
-                outage.append(await complete(client, "router"))
-                return outage[-1].status_code == 503
-            await eventually(unreachable, timeout_s=60, what="the sampler to read the announcement", interval_s=0.2)
-            while_down = [await complete(client, name) for _ in range(3)]  # the version by name too
-            assert sampler.state.sampler.registry.get(name) is None
-            async with served(counting(publisher_app(pub_settings), pulls), pport, what="publisher again",
-                              start_timeout_s=60):
-                async def served_now() -> list[str] | None:
-                    got = await served_adapters(client)
-                    return got if name in got else None
+    async with (served(sampler, sport, what="sampler", start_timeout_s=120) as url,
+                httpx.AsyncClient(base_url=url, timeout=30) as client):
+        async def unreachable() -> bool:  # "router" is known once the announcement is read
+            outage.append(await complete(client, "router"))
+            return outage[-1].status_code == 503
+        await eventually(unreachable, timeout_s=60, what="the sampler to read the announcement", interval_s=0.2)
+        while_down = [await complete(client, name) for _ in range(3)]  # the version by name too
+        assert sampler.state.sampler.registry.get(name) is None
+        async with served(counting(publisher_app(pub_settings), pulls), pport, what="publisher again",
+                          start_timeout_s=60):
+            async def served_now() -> list[str] | None:
+                got = await served_adapters(client)
+                return got if name in got else None
 
-                listed = await eventually(served_now, timeout_s=60, what=f"{name} served after the publisher returns")
-                after = [await complete(client, m) for m in ("router", name)]
+            listed = await eventually(served_now, timeout_s=60, what=f"{name} served after the publisher returns")
+            after = [await complete(client, m) for m in ("router", name)]
     dead = [r async for r in read_records_to_end(kafka, f"{kafka.topic_namespace}{topic('adapters').dlq}")]
     statuses = [r.status_code for r in outage + while_down]
     bodies = [r.json() for r in outage + while_down if r.status_code == 503]
     row = report(count("publisher down while an adapter is announced, then back", "sampler adapter worker",
-                       "test_fault_adapters.py::test_publisher_down_while_an_adapter_is_announced_is_served_after_"
-                       "it_returns", records_in=1, expected={name}, results=listed,
+                       test_id(request), records_in=1, expected={name}, results=listed,
                        answers_while_down=dict(Counter(statuses)), dead_lettered=len(dead),
                        pulls_after_return=sum(pulls.values())))
     assert row.lost == row.duplicates == row.unexpected == 0, row

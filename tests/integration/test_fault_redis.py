@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -28,7 +28,7 @@ from services.judge.settings_local import LocalJudgeConfig
 from services.judge.worker import judge_key, verdict_id
 from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
-from tests.support.fault_matrix import exactly_once
+from tests.support.fault_matrix import exactly_once, test_id
 from tests.support.poll import eventually
 from tests.support.records import judged_trace, verdict_for
 from tests.support.redis_server import RedisServer
@@ -70,19 +70,27 @@ def transient_retries(caplog: pytest.LogCaptureFixture) -> int:
 
 
 async def _through_the_restart(redis: RedisServer, fired: asyncio.Event, caplog: pytest.LogCaptureFixture,
-                               caught_up: Callable) -> int:
-    """Wait for the fault, for the consumer to be retrying against the stopped Redis, start Redis again,
-    and wait for the consumer to commit everything; returns the retries seen while Redis was down."""
-    await eventually(fired.is_set, timeout_s=60, what=f"result {FAULT_AT} (Redis stops then)")
-    await eventually(lambda: transient_retries(caplog) >= 3, timeout_s=30,
-                     what="the consumer to retry against the stopped Redis")
-    retries = transient_retries(caplog)
-    redis.start()
-    await eventually(caught_up, timeout_s=90, what="the consumer to commit every record after the restart")
+                               service: Callable[[asyncio.Event], Awaitable[None]],
+                               caught_up: Callable[[], Awaitable[bool]]) -> int:
+    """Run ``service`` until it has committed every record: wait for the fault, for the service to be
+    retrying against the stopped Redis, start Redis again, wait; returns the retries seen while down."""
+    stop = asyncio.Event()
+    running = asyncio.create_task(service(stop))
+    try:
+        await eventually(fired.is_set, timeout_s=60, what=f"result {FAULT_AT} (Redis stops then)")
+        await eventually(lambda: transient_retries(caplog) >= 3, timeout_s=30,
+                         what="the consumer to retry against the stopped Redis")
+        retries = transient_retries(caplog)
+        redis.start()
+        await eventually(caught_up, timeout_s=90, what="the consumer to commit every record after the restart")
+    finally:
+        stop.set()
+        await running
+    assert redis.starts == 2
     return retries
 
 
-async def test_redis_restarted_while_the_judge_marks_a_verdict(kafka_bootstrap, tmp_path, monkeypatch, caplog):
+async def test_redis_restarted_while_the_judge_marks_a_verdict(kafka_bootstrap, tmp_path, monkeypatch, caplog, request):
     caplog.set_level(logging.WARNING, logger="services.common.bus")
     kafka = _kafka(kafka_bootstrap)
     traces = [judged_trace(f"trace-{i:03d}", contested=i % 2 == 0) for i in range(N)]
@@ -97,29 +105,22 @@ async def test_redis_restarted_while_the_judge_marks_a_verdict(kafka_bootstrap, 
         finally:
             await bus.stop()
         fired = stop_redis_after(monkeypatch, "verdicts", FAULT_AT, redis)
-        stop = asyncio.Event()
-        judging = asyncio.create_task(run_judge(JudgeSettings(
-            kafka=kafka, redis=RedisSettings(url=redis.url), sample_rate=1.0, providers=PROVIDERS,
-            judge=LocalJudgeConfig()), stop))
-        try:
-            retries = await _through_the_restart(redis, fired, caplog, lambda: group_caught_up(kafka, group))
-        finally:
-            stop.set()
-            await judging
-        assert redis.starts == 2
+        settings = JudgeSettings(kafka=kafka, redis=RedisSettings(url=redis.url), sample_rate=1.0,
+                                 providers=PROVIDERS, judge=LocalJudgeConfig())
+        retries = await _through_the_restart(redis, fired, caplog, lambda stop: run_judge(settings, stop),
+                                             lambda: group_caught_up(kafka, group))
     verdicts = await topic_records(kafka, "verdicts", Verdict)
     exactly_once("Redis stopped (SIGTERM) after a verdict is acked, before it is marked; started again",
-                 "judge", "test_fault_redis.py::test_redis_restarted_while_the_judge_marks_a_verdict",
+                 "judge", test_id(request),
                  records_in=N, expected={verdict_id(t.trace_id, backend, backend.rubric) for t in traces},
                  results=[v.verdict_id for v in verdicts], retries_while_down=retries)
     assert sorted(v.trace_id for v in verdicts) == sorted(t.trace_id for t in traces)
 
 
-async def test_redis_restarted_while_the_builder_marks_an_episode(kafka_bootstrap, tmp_path, monkeypatch, caplog):
+async def test_redis_restarted_while_the_builder_marks_an_episode(kafka_bootstrap, tmp_path, monkeypatch, caplog, request):
     caplog.set_level(logging.WARNING, logger="services.common.bus")
     kafka = _kafka(kafka_bootstrap)
     ids = [f"t{i:03d}" for i in range(N)]
-    settings_group = EpisodeSettings().group_id
     with RedisServer(tmp_path / "redis") as redis:
         bus = Bus(kafka)
         await bus.start(tuple(topic(n) for n in ("traces", "verdicts", "episodes", "tasks")))
@@ -134,22 +135,16 @@ async def test_redis_restarted_while_the_builder_marks_an_episode(kafka_bootstra
         finally:
             await bus.stop()
         fired = stop_redis_after(monkeypatch, "episodes", FAULT_AT, redis)
-        stop = asyncio.Event()
-        building = asyncio.create_task(run_builder(EpisodeSettings(kafka=kafka, redis=RedisSettings(url=redis.url)),
-                                                   stop))
+        settings = EpisodeSettings(kafka=kafka, redis=RedisSettings(url=redis.url))
 
         async def caught_up() -> bool:
-            return all([await group_caught_up(kafka, f"{settings_group}.{name}", name)
+            return all([await group_caught_up(kafka, f"{settings.group_id}.{name}", name)
                         for name in ("traces", "verdicts")])
 
-        try:
-            retries = await _through_the_restart(redis, fired, caplog, caught_up)
-        finally:
-            stop.set()
-            await building
-        assert redis.starts == 2
+        retries = await _through_the_restart(redis, fired, caplog, lambda stop: run_builder(settings, stop),
+                                             caught_up)
     episodes = await topic_records(kafka, "episodes", Episode)
     exactly_once("Redis stopped (SIGTERM) after an episode is acked, before it is marked; started again",
-                 "episode builder", "test_fault_redis.py::test_redis_restarted_while_the_builder_marks_an_episode",
+                 "episode builder", test_id(request),
                  records_in=2 * N, expected={episode_id(t) for t in ids}, results=[e.episode_id for e in episodes],
                  retries_while_down=retries)

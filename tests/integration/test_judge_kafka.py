@@ -21,10 +21,11 @@ from services.gateway.settings import GatewaySettings
 from services.judge.settings import JudgeSettings, build_backend
 from services.judge.settings_backends import OpenAIJudgeConfig
 from services.judge.settings_local import LocalJudgeConfig
-from services.judge.worker import judge_key
+from services.judge.worker import judge_key, verdict_id
 from services.judge.worker import run as run_judge
 from services.providers.config import BM25Config
 from tests.integration.llm_judge_fake import AutoJudgeServer
+from tests.support.fault_matrix import exactly_once, test_id
 from tests.support.poll import eventually
 from tests.support.processes import ROOT, running, service_env
 from tests.support.records import judged_trace
@@ -90,7 +91,7 @@ def _judge(env: dict[str, str], *, crash: bool = False):
 
 
 @pytest.mark.slow
-async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
+async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url, request):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=_ns())
     bus = Bus(kafka)
     await bus.start((topic("traces"), topic("verdicts")))
@@ -105,7 +106,8 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
             with _judge(env, crash=True):
                 await wait_for_records(kafka, "verdicts", Verdict, 8, timeout_s=120,
                                        what="8 verdicts before the kill")
-            assert len(await _verdicts(kafka)) < len(traces), "the kill must land mid-stream"
+            before_kill = len(await _verdicts(kafka))
+            assert before_kill < len(traces), "the kill must land mid-stream"
             with _judge(env):
                 await eventually(lambda: group_caught_up(kafka, group), timeout_s=180,
                                  what="the restarted judge to catch up")
@@ -121,8 +123,10 @@ async def test_kill_restart_replay_and_a_new_judge(kafka_bootstrap, redis_url):
             prompts = llm.prompts
     finally:
         await bus.stop()
-    ids = [v.verdict_id for v in after_restart]
-    assert len(ids) == len(set(ids)) == len(traces)  # nothing lost, nothing duplicated
+    exactly_once("kill -9 mid-stream, restart (then every trace replayed)", "judge",
+                 test_id(request), records_in=2 * len(traces),
+                 expected={verdict_id(t.trace_id, backend, backend.rubric) for t in traces},
+                 results=[v.verdict_id for v in after_replay], before_kill=before_kill)
     assert {v.trace_id for v in after_restart} == {t.trace_id for t in traces}
     key = lambda v: v.verdict_id  # noqa: E731 — partitions are read in no fixed order
     assert sorted(after_replay, key=key) == sorted(after_restart, key=key)

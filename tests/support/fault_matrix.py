@@ -39,6 +39,14 @@ class Row:
     extra: dict[str, object] = field(default_factory=dict)
 
 
+def test_id(request) -> str:
+    """``<file>::<test>`` of the running test (``request`` is pytest's fixture): a row's test column."""
+    return request.node.nodeid.rsplit("/", 1)[-1]
+
+
+test_id.__test__ = False  # not a test, whatever its name
+
+
 def count(fault: str, consumer: str, test: str, *, records_in: int, expected: Collection[str],
           results: Iterable[str], **extra: object) -> Row:
     """The row for ``results`` (one content-derived id per result record) against the ``expected`` ids."""

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 from pathlib import Path
+from typing import Self
 
 from devstack.redis import wait_redis_ready
 from tests.support.serving import free_port
@@ -51,7 +52,7 @@ class RedisServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def __enter__(self) -> RedisServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
