@@ -18,7 +18,7 @@ from services.relay.settings import RelaySettings
 from tests.support.serving import free_port, served
 
 
-def counting_sampler(reply_ids: tuple[int, ...] = (5, 6, 7), model: str = "fake-base") -> FastAPI:
+def counting_sampler(reply_ids: tuple[int, ...] = (5, 6, 7), model: str = "fake-base", text: str = "ok") -> FastAPI:
     """A vLLM-shaped ``/v1/completions`` that answers fixed ids and counts every request it gets
     (``app.state.hits``): what the credential tests check stays at zero."""
     app = FastAPI()
@@ -33,7 +33,7 @@ def counting_sampler(reply_ids: tuple[int, ...] = (5, 6, 7), model: str = "fake-
         body = await request.json()
         app.state.hits.append(body)
         return {"id": "cmpl-x", "object": "text_completion", "model": body.get("model"), "choices": [{
-            "index": 0, "text": "ok", "token_ids": list(reply_ids), "finish_reason": "length", "stop_reason": None,
+            "index": 0, "text": text, "token_ids": list(reply_ids), "finish_reason": "length", "stop_reason": None,
             "logprobs": {"token_logprobs": [-0.5] * len(reply_ids), "tokens": ["x"] * len(reply_ids),
                          "top_logprobs": [{}] * len(reply_ids), "text_offset": [0] * len(reply_ids)}}]}
 
@@ -71,3 +71,28 @@ def teacher_forced(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[in
         logits_TV = model(input_ids=torch.tensor([prompt_ids + sampled])).logits[0].float()
     logp_TV = torch.log_softmax(logits_TV[len(prompt_ids) - 1:-1], dim=-1)
     return logp_TV.gather(1, torch.tensor(sampled)[:, None])[:, 0].tolist()
+
+
+@asynccontextmanager
+async def cpu_sampler(base_dir: Path, tmp_path: Path, adapters: dict[str, Path] | None = None):
+    """The real CPU sampler on ``base_dir`` in this process (its ASGI app), with LoRA ``adapters``
+    loaded by name through its ``/v1/load_lora_adapter``. Yields the app."""
+    from services.sampler.app import create_app as sampler_app
+    from services.sampler.engine import Engine
+    from services.sampler.serving import Sampler
+    from services.sampler.settings import SamplerSettings
+
+    settings = SamplerSettings(base_model=str(base_dir), served_model_name="base", consume_adapters=False,
+                               adapter_cache_dir=tmp_path / "sampler-cache", max_tokens_limit=256,
+                               kafka=KafkaSettings(bootstrap_servers="memory://"))
+    sampler = Sampler(settings, engine=Engine(base_dir))
+    await sampler.start()
+    app = sampler_app(settings, sampler=sampler)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sampler") as c:
+            for name, path in (adapters or {}).items():
+                r = await c.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+                assert r.status_code == 200, r.text
+        yield app
+    finally:
+        await sampler.stop()
