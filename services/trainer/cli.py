@@ -7,15 +7,17 @@ import sys
 
 from services.trainer.settings import add_arguments, settings_from_args
 
-DESCRIPTION = ("Fine-tune the student router with LoRA on the episode dataset (run kind sft): the dataset as "
-               "of a time from the episodes topic, or --episodes-file; refuses judges without an open "
-               "calibration gate unless --allow-uncalibrated; at most one pass. Every flag also reads from "
+DESCRIPTION = ("Fine-tune the student router with LoRA on the episode dataset: --kind sft trains on the "
+               "recorded orderings, --kind opsd on the current adapter's own samples (drawn from the sampler "
+               "at --sampler-url) pulled toward what it says given a hint. The dataset is read as of a time "
+               "from the episodes topic, or from --episodes-file; refuses judges without an open calibration "
+               "gate unless --allow-uncalibrated; at most one pass. Every flag also reads from "
                "FANROUTE_<NAME> (nested with __, e.g. FANROUTE_LORA__R).")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``train`` on a subparsers object (``fanroute train ...``)."""
-    p = sub.add_parser("train", help="fine-tune the student router (LoRA, run kind sft)", description=DESCRIPTION)
+    p = sub.add_parser("train", help="fine-tune the student router (LoRA; run kinds sft, opsd)", description=DESCRIPTION)
     add_arguments(p)
     return p
 
@@ -23,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run ``fanroute train`` from parsed args.
 
-    Exit 0 done; 2 invalid settings or refused data; 1 Kafka unreachable or publishing failed.
+    Exit 0 done; 2 invalid settings or refused data; 1 Kafka or the sampler unreachable, or publishing failed.
     """
     from pydantic import ValidationError
 
@@ -36,11 +38,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"fanroute train: invalid settings: {exc}", file=sys.stderr)
         return 2
     setup_logging(settings.log_level)
+    from services.trainer.sampler_client import SamplerError
     from services.trainer.train import DivergedError, PublishError, train
 
     try:
-        train(settings)
-    except (BusError, DivergedError, PublishError) as exc:
+        if settings.run.type == "opsd":
+            from services.trainer.opsd import train_opsd
+
+            train_opsd(settings)
+        else:
+            train(settings)
+    except (BusError, DivergedError, PublishError, SamplerError) as exc:
         print(f"fanroute train: {exc}", file=sys.stderr)
         return 1
     except FanrouteError as exc:

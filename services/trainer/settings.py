@@ -1,7 +1,7 @@
 """Trainer settings: ``FANROUTE_`` env vars (nested with ``__``) overridden by command-line flags.
 
-A run kind is a discriminated union on ``type`` (only ``sft`` today; ``opsd`` and ``rl`` join
-the union later), so a config names what it trains and carries only that kind's knobs. Every
+A run kind is a discriminated union on ``type`` (``sft`` and ``opsd``; ``rl`` joins the union
+later), so a config names what it trains and carries only that kind's knobs. Every
 flag is generated from the fields here, so ``--help`` and validation can never drift apart.
 """
 
@@ -41,7 +41,62 @@ class SftRun(BaseModel):
         return self
 
 
-RUN_KINDS: tuple[type[BaseModel], ...] = (SftRun,)
+LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "gspo", "dppo")
+HINT_FIELDS = ("query", "providers", "answer", "rewards", "reward")
+
+
+class OpsdRun(BaseModel):
+    """On-policy self-distillation: the current adapter's samples, pulled toward what it says given a hint."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    type: Literal["opsd"] = Field(default="opsd", description="Run kind")
+    sampler_url: str = Field(default="http://127.0.0.1:8001", min_length=1, max_length=2048,
+                             description="The sampler (CPU sampler or vLLM) that samples and scores over HTTP")
+    hint_mode: Literal["reward", "custom"] = Field(
+        default="reward", description="Teacher's hint: the episode's reward map and recorded answer, or "
+                                      "--hint-template")
+    hint_template: str | None = Field(
+        default=None, max_length=8192,
+        description="Rubric for --hint-mode custom, a str.format template over "
+                    f"{{{'}, {'.join(HINT_FIELDS)}}} (e.g. 'A good answer for {{query}}: {{answer}}')")
+    min_reward: float = Field(default=0.5, ge=-1e6, le=1e6,
+                              description="Keep episodes whose reward (reward_name) is at least this")
+    reward_name: str | None = Field(default=None, min_length=1, max_length=256,
+                                    description="Reward --min-reward reads and the hint names (default: the "
+                                                "episode's primary ndcg reward)")
+    group_size: int = Field(default=2, ge=2, le=64,
+                            description="Orderings sampled per prompt and step (at least 2)")
+    kl_penalty_coef: float = Field(default=1.0, gt=0, le=100,
+                                   description="Scale of the per-token advantage -(log p_student - log q_teacher)")
+    loss: Literal[LOSS_NAMES] = Field(default="importance_sampling",  # type: ignore[valid-type]
+                                      description="Policy-gradient loss (services/trainer/losses.py)")
+    clip_low: float | None = Field(default=None, gt=0, le=10,
+                                   description="Lower clip / trust-region bound of the loss (default: the loss's own)")
+    clip_high: float | None = Field(default=None, gt=0, le=10,
+                                    description="Upper clip / trust-region bound of the loss (default: the loss's own)")
+    temperature: float = Field(default=1.0, ge=0.05, le=2,
+                               description="Sampling temperature (1 = the policy itself; the sampler reports raw "
+                                           "logprobs, so another value samples off-policy)")
+    max_new_tokens: int = Field(default=48, ge=1, le=1024, description="Most tokens per sampled ordering")
+    sampler_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="Timeout of one sampler request")
+
+    @model_validator(mode="after")
+    def _hint(self) -> OpsdRun:
+        if self.hint_mode == "custom":
+            if not (self.hint_template or "").strip():
+                raise ValueError("hint_mode custom needs a non-empty hint_template (the rubric the teacher sees)")
+            import string
+
+            names = {f for _, f, _, _ in string.Formatter().parse(self.hint_template or "") if f is not None}
+            unknown = sorted(n for n in names if n.split(".")[0].split("[")[0] not in HINT_FIELDS)
+            if unknown or "" in names:
+                raise ValueError(f"hint_template names {unknown or ['{}']}; it may use {{{'}, {'.join(HINT_FIELDS)}}}")
+        elif self.hint_template is not None:
+            raise ValueError("hint_template is only read with hint_mode custom")
+        return self
+
+
+RUN_KINDS: tuple[type[BaseModel], ...] = (SftRun, OpsdRun)
 
 
 def _run_type(value: Any) -> str:
@@ -51,7 +106,8 @@ def _run_type(value: Any) -> str:
     return getattr(value, "type", "sft")
 
 
-RunKind = Annotated[Union[Annotated[SftRun, Tag("sft")]], Discriminator(_run_type)]
+RunKind = Annotated[Annotated[SftRun, Tag("sft")] | Annotated[OpsdRun, Tag("opsd")],
+                    Discriminator(_run_type)]
 
 
 class LoraSettings(BaseModel):

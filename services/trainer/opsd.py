@@ -1,0 +1,368 @@
+"""Run kind ``opsd``: on-policy self-distillation of the router against its own hinted self.
+
+Why: SFT trains on recorded text; OPSD trains on what the *current* adapter samples, so there is no
+exposure bias between training and serving. Per step, for G episodes: the sampler (over HTTP) samples
+``group_size`` orderings of each student prompt from the adapter being trained; the same adapter
+scores those tokens after the teacher's hinted prompt (``prompt_logprobs``), re-aligned to the
+completion positions; the per-token advantage is ``-(log p_student - log q_teacher)·kl_penalty_coef``
+with the sampler's recorded logprobs as ``log p_student``; one policy-gradient step
+(:mod:`services.trainer.losses`) runs on those advantages; the new weights go back to the sampler
+(published, so the sampler pulls them, or loaded directly when no publisher is configured) before
+the next batch is sampled. At most one pass: N episodes, G per step, ceil(N/G) steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from schemas.adapter import versioned_name
+from schemas.episode import Episode
+from services.common.errors import ConfigError
+from services.models.prepare import resolve_base
+from services.trainer import checkpoint as ckpt
+from services.trainer.data import (
+    GateLookup,
+    batch_order,
+    check_gates,
+    episode_judge,
+    judge_keys,
+    kafka_gate_lookup,
+    select,
+    split_by_query,
+)
+from services.trainer.evaluate import (
+    GradesFor,
+    eval_items,
+    evaluate,
+    load_kafka_grades,
+    score,
+)
+from services.trainer.opsd_data import PromptRow, build_rows
+from services.trainer.sampler_client import Sample, SamplerClient
+from services.trainer.settings import OpsdRun, TrainerSettings
+from services.trainer.train import (
+    DivergedError,
+    MetricsLog,
+    Out,
+    Plan,
+    Publisher,
+    PublishError,
+    RunResult,
+    _from_kafka,
+    _plain_head,
+    _print,
+    _save_adapter,
+    build_model,
+    build_optimizer,
+    load_dataset,
+    publisher_for,
+)
+
+SERVED = "served"
+
+
+def _grades_for(s: TrainerSettings, episodes: Sequence[Episode], given: GradesFor | None) -> GradesFor | None:
+    """Grades of the sampled orderings: injected, the verdicts topic, or None (tier ranks of the ordering)."""
+    if given is not None or s.grades_source == "ordering" or (s.grades_source == "auto" and s.episodes_file):
+        return given
+    wanted = {ep.trace_id: key for ep in episodes
+              if ep.trace_id and (key := episode_judge(ep, s.run.reward_name)) is not None}
+    return _from_kafka(lambda: load_kafka_grades(s.kafka, wanted), "verdicts", s) if wanted else None
+
+
+def plan_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = None,
+              gate_lookup: GateLookup | None = None, grades_for: GradesFor | None = None) -> tuple[Plan, GradesFor | None]:
+    """Load, filter by ``min_reward``, gate, split, render the prompt rows, order the one pass. No weights."""
+    import asyncio
+
+    run = settings.run
+    assert isinstance(run, OpsdRun)
+    found, source = load_dataset(settings, episodes)
+    selection = select(found, run.reward_name, run.min_reward, None)
+    if gate_lookup is None and not (settings.allow_uncalibrated and settings.episodes_file is not None):
+        wanted = judge_keys(selection.kept, run.reward_name)
+        gate_lookup = _from_kafka(lambda: asyncio.run(kafka_gate_lookup(settings.kafka, wanted)),
+                                  "calibration gates", settings)
+    gates = check_gates(selection.kept, run.reward_name, gate_lookup, settings.allow_uncalibrated)
+    train_eps, eval_eps = split_by_query(selection.kept, settings.eval_fraction)
+    if not train_eps:
+        raise ConfigError(f"eval_fraction {settings.eval_fraction} holds out every one of the "
+                          f"{len(selection.kept)} selected episodes; nothing is left to train on")
+    counts: dict[str, Any] = dict(selection.counts) | {"reward": selection.reward, "min_reward": run.min_reward,
+                                                       "train_episodes": len(train_eps),
+                                                       "eval_episodes": len(eval_eps)}
+    base_dir = resolve_base(settings.base_model, prepare=not settings.dry_run)
+    plan = Plan(settings, source, counts, gates, train_eps, eval_eps[:settings.eval_max_examples], base_dir)
+    if not (base_dir / "tokenizer_config.json").is_file():
+        counts["tokens"] = f"not counted: {base_dir} is not prepared (fanroute models prepare)"
+        return plan, grades_for
+    from transformers import AutoTokenizer
+
+    grades = _grades_for(settings, list(train_eps) + list(plan.eval_episodes), grades_for)
+    plan.tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    rows, row_counts = build_rows(plan.tokenizer, train_eps, run, grades, settings.max_tokens)
+    counts.update(row_counts)
+    if not rows:
+        raise ConfigError(f"max_tokens {settings.max_tokens} leaves no room for {run.max_new_tokens} new tokens "
+                          "after any teacher prompt")
+    plan.examples = rows  # type: ignore[assignment]  # the one-pass rule and the data fingerprint read ids
+    plan.batches = batch_order([len(r.student_ids) for r in rows], settings.batch_size, settings.bucket_window,
+                               settings.seed)
+    counts["samples_per_step"] = settings.batch_size * run.group_size
+    return plan, grades
+
+
+# ----------------------------------------------------------------------------- weights on the sampler
+
+
+class SamplerWeights:
+    """Puts the trainer's current adapter where the sampler samples from: the publisher, or a direct load."""
+
+    def __init__(self, s: TrainerSettings, sampler: SamplerClient, publisher: Publisher | None) -> None:
+        self.s, self.sampler, self.publisher = s, sampler, publisher
+        self.root = s.output_dir / SERVED
+        self.loaded: str | None = None
+
+    def push(self, model: Any, step: int, metrics: dict[str, float]) -> tuple[str, int]:
+        """Save the adapter after ``step`` and serve it; the model name to sample from and its version."""
+        target = _save_adapter(model, self.root / f"step_{step}")
+        for old in sorted(self.root.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        if self.publisher is not None:
+            try:
+                published = self.publisher.publish(self.s.publish_id, target, self.s.base_model, metrics)
+            except Exception as exc:  # any client error: the run stops, its checkpoints stay
+                raise PublishError(f"step {step}: publishing {self.s.publish_id} failed: {exc}") from exc
+            version = int(published["version"])
+            return versioned_name(self.s.publish_id, version), version
+        name = versioned_name(self.s.publish_id, step + 1)
+        self.sampler.load_adapter(name, str(target.resolve()))
+        if self.loaded is not None and self.loaded != name:
+            self.sampler.unload_adapter(self.loaded)
+        self.loaded = name
+        return name, step + 1
+
+
+# ----------------------------------------------------------------------------- one step
+
+
+def completion_logprobs(model: Any, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
+                        pad_id: int) -> tuple[Any, Any, Any]:
+    """The trainer's logprob (with gradient) and entropy (detached) of each completion token, ``[B, C]``
+    arrays with their mask; the output layer runs only on completion positions."""
+    import torch
+
+    B, T = len(sequences), max(len(s) for s in sequences)
+    C = max(len(s) - p for s, p in zip(sequences, prompt_lens))
+    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
+    att_BT = torch.zeros((B, T), dtype=torch.long)
+    pos_BC = torch.zeros((B, C), dtype=torch.long)
+    mask_BC = torch.zeros((B, C), dtype=torch.float32)
+    for b, (seq, p) in enumerate(zip(sequences, prompt_lens)):
+        ids_BT[b, :len(seq)] = torch.tensor(list(seq))
+        att_BT[b, :len(seq)] = 1
+        n = len(seq) - p
+        pos_BC[b, :n] = torch.arange(p - 1, p - 1 + n)  # position t predicts token t + 1
+        mask_BC[b, :n] = 1
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if _plain_head(base):
+        hidden_BTD = base.get_decoder()(input_ids=ids_BT, attention_mask=att_BT, use_cache=False).last_hidden_state
+        picked_BCD = hidden_BTD.gather(1, pos_BC[..., None].expand(-1, -1, hidden_BTD.shape[-1]))
+        logits_BCV = base.get_output_embeddings()(picked_BCD).float()
+    else:
+        logits_BTV = model(input_ids=ids_BT, attention_mask=att_BT, use_cache=False).logits.float()
+        logits_BCV = logits_BTV.gather(1, pos_BC[..., None].expand(-1, -1, logits_BTV.shape[-1]))
+    logp_BCV = torch.log_softmax(logits_BCV, dim=-1)
+    targets_BC = ids_BT.gather(1, pos_BC + 1)
+    logprobs_BC = logp_BCV.gather(-1, targets_BC[..., None])[..., 0] * mask_BC
+    with torch.no_grad():
+        entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1) * mask_BC
+    return logprobs_BC, entropy_BC, mask_BC
+
+
+def _padded(rows: Sequence[Sequence[float]], C: int) -> Any:
+    import torch
+
+    out = torch.zeros((len(rows), C), dtype=torch.float32)
+    for b, r in enumerate(rows):
+        out[b, :len(r)] = torch.tensor(list(r), dtype=torch.float32)
+    return out
+
+
+def _seed(base: int, step: int, row: int, g: int) -> int:
+    return (base * 1_000_003 + step * 10_007 + row * 101 + g) % (2**31 - 1)
+
+
+def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sampler: SamplerClient,
+              served: str, rows: Sequence[PromptRow], step: int, pad_id: int) -> dict[str, Any]:
+    """Sample, score with the hint, one policy-gradient step; the step's metrics (see the module docstring)."""
+    import torch
+
+    from services.trainer.losses import policy_loss
+
+    run = s.run
+    assert isinstance(run, OpsdRun)
+    t0 = time.perf_counter()
+    samples: list[tuple[PromptRow, Sample]] = []
+    for i, row in enumerate(rows):
+        for g in range(run.group_size):
+            samples.append((row, sampler.sample(served, row.student_ids, max_tokens=run.max_new_tokens,
+                                                temperature=run.temperature, seed=_seed(s.seed, step, i, g))))
+    t1 = time.perf_counter()
+    teacher = sampler.score(served, [row.teacher_ids + smp.token_ids for row, smp in samples],
+                            [len(row.teacher_ids) for row, _ in samples])
+    t2 = time.perf_counter()
+    seqs = [row.student_ids + smp.token_ids for row, smp in samples]
+    prompt_lens = [len(row.student_ids) for row, _ in samples]
+    model.eval()  # no dropout: the sampler computes without it, and the ratio must compare like with like
+    trainer_lp_BC, entropy_BC, mask_BC = completion_logprobs(model, seqs, prompt_lens, pad_id)
+    C = mask_BC.shape[1]
+    sampler_lp_BC, teacher_lp_BC = _padded([smp.logprobs for _, smp in samples], C), _padded(teacher, C)
+    reverse_kl_BC = (sampler_lp_BC - teacher_lp_BC) * mask_BC
+    advantages_BC = -reverse_kl_BC * run.kl_penalty_coef
+    lr = scheduler.get_last_lr()[0]
+    result = policy_loss(run.loss, trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC,
+                         clip_low=run.clip_low, clip_high=run.clip_high)
+    result.loss.backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, s.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    t3 = time.perf_counter()
+    n_tok = float(mask_BC.sum())
+    gap_BC = (sampler_lp_BC - trainer_lp_BC.detach()).abs() * mask_BC
+    scored = [score(smp.text, row.grades) for row, smp in samples]
+    trained_tokens = sum(len(x) for x in seqs)
+    return {
+        "loss": float(result.loss.detach()), "grad_norm": float(grad_norm), "lr": lr,
+        "kl": float(reverse_kl_BC.sum()) / n_tok, "kl_per_sequence": float(reverse_kl_BC.sum()) / len(samples),
+        "mismatch": float(gap_BC.sum()) / n_tok, "mismatch_max": float(gap_BC.max()),
+        "entropy": float(entropy_BC.sum()) / n_tok,
+        "reward": sum(x[0] for x in scored) / len(scored), "top1": sum(x[1] for x in scored) / len(scored),
+        "completion_tokens": n_tok / len(samples),
+        "truncated_fraction": sum(smp.finish_reason == "length" for _, smp in samples) / len(samples),
+        "samples": len(samples), "tokens": trained_tokens, "tokens_per_s": trained_tokens / (t3 - t2),
+        "sample_tokens_per_s": n_tok / (t1 - t0), "sample_time_s": t1 - t0, "score_time_s": t2 - t1,
+        "train_time_s": t3 - t2, **{f"loss/{k}": v for k, v in result.metrics.items()},
+    }
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _fingerprint(s: TrainerSettings, plan: Plan) -> dict[str, Any]:
+    keep = s.fingerprint_fields()
+    for k in ("sampler_url", "sampler_timeout_s"):
+        keep["run"].pop(k, None)
+    return json.loads(json.dumps(keep | {"data": plan.data_fingerprint()}))
+
+
+def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = None,
+               gate_lookup: GateLookup | None = None, grades_for: GradesFor | None = None,
+               publisher: Publisher | None = None, sampler: SamplerClient | None = None,
+               out: Out = _print) -> RunResult:
+    """Plan, then (unless dry-run) run the OPSD steps with evaluation, checkpoints and per-step serving."""
+    s, output_dir = settings, settings.output_dir
+    run = s.run
+    assert isinstance(run, OpsdRun)
+    plan, grades = plan_opsd(s, episodes=episodes, gate_lookup=gate_lookup, grades_for=grades_for)
+    if s.dry_run:
+        out(json.dumps(plan.record(), indent=2, sort_keys=True, default=str))
+        out(f"dry run: {plan.one_pass_line() if plan.batches else 'tokens not counted'}; nothing trained")
+        return RunResult(False, 0, output_dir, plan)
+    publisher = publisher if publisher is not None else publisher_for(s)
+    latest = ckpt.latest_checkpoint(output_dir)
+    if s.resume and latest is None:
+        raise ConfigError(f"resume asked but {output_dir} has no checkpoint")
+    if not s.resume and latest is not None:
+        raise ConfigError(f"{output_dir} already holds checkpoints ({latest.name}); pass --resume or use another "
+                          "output_dir")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    eval_set = eval_items(plan.tokenizer, plan.eval_episodes, grades)
+
+    import torch
+
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    model = build_model(plan, out)
+    optimizer, scheduler = build_optimizer(plan, model)
+    fingerprint, start = _fingerprint(s, plan), 0
+    if latest is not None:
+        ckpt.check_fingerprint(ckpt.read_progress(latest).fingerprint, fingerprint, latest)
+        progress = ckpt.load_checkpoint(latest, model, optimizer, scheduler)
+        start, plan.batches = progress.step, progress.batches
+        if start > plan.steps:
+            raise ConfigError(f"{latest} is at step {start}, past max_steps={s.max_steps}")
+        out(f"resumed from {latest} at step {start}")
+    metrics = MetricsLog(output_dir / "metrics.jsonl", fresh=latest is None)
+    (output_dir / "config.json").write_text(json.dumps(plan.record(), indent=2, sort_keys=True, default=str) + "\n")
+    metrics.write(plan.record() | {"event": "start", "step": start, "resumed_from": start if latest else None})
+    out(plan.one_pass_line() + f"; {run.group_size} samples per prompt, loss {run.loss}")
+    pad_id = plan.tokenizer.pad_token_id if plan.tokenizer.pad_token_id is not None else plan.tokenizer.eos_token_id
+    sampler = sampler if sampler is not None else SamplerClient(run.sampler_url, run.sampler_timeout_s)
+    weights = SamplerWeights(s, sampler, publisher)
+    served, version = weights.push(model, start, {"step": float(start)})
+    step_of = {version: start}
+    out(f"serving step {start} as {served}")
+    final: dict[str, Any] = {}
+
+    def run_eval(step: int) -> None:
+        if eval_set:
+            scores = evaluate(model, plan.tokenizer, eval_set, s.eval_max_new_tokens)
+            metrics.write({"step": step, **scores})
+            final.update(scores if step else {f"start/{k}": v for k, v in scores.items()})
+            out(f"eval step {step}: ndcg {scores['test/ndcg']:.3f} top1 {scores['test/top1']:.3f} "
+                f"parsed {scores['test/parse_ok']:.2f} (n={scores['test/n']})")
+
+    def save(step: int) -> None:
+        ckpt.save_checkpoint(output_dir, model, optimizer, scheduler,
+                             ckpt.Progress(step, plan.batches, fingerprint), s.keep_checkpoints)
+
+    if start == 0:
+        run_eval(0)
+    for step in range(start + 1, plan.steps + 1):
+        t0 = time.perf_counter()
+        rows = [plan.examples[i] for i in plan.batches[step - 1]]
+        rec: dict[str, Any] = opsd_step(s, model, optimizer, scheduler, sampler, served, rows, step, pad_id)  # type: ignore[arg-type]
+        if not all(math.isfinite(rec[k]) for k in ("loss", "grad_norm", "kl")):
+            metrics.write({"step": step, **rec})
+            raise DivergedError(f"step {step}: loss {rec['loss']} / grad norm {rec['grad_norm']} / kl {rec['kl']} "
+                                f"is not finite; stopped without publishing (metrics in {output_dir / 'metrics.jsonl'})")
+        sampled = version
+        t1 = time.perf_counter()
+        served, version = weights.push(model, step, {k: float(v) for k, v in rec.items() if isinstance(v, (int, float))})
+        step_of[version] = step
+        rec |= {"step": step, "epoch": step / plan.steps_per_pass, "sampled_version": sampled,
+                "trained_version": version, "staleness": (step - 1) - step_of[sampled],
+                "publish_time_s": time.perf_counter() - t1, "step_time_s": time.perf_counter() - t0}
+        metrics.write(rec)
+        final.update({f"train/{k}": v for k, v in rec.items() if k not in ("step", "epoch")})
+        out(f"step {step}/{plan.steps} kl {rec['kl']:.4f} mismatch {rec['mismatch']:.2e} entropy {rec['entropy']:.3f} "
+            f"reward {rec['reward']:.3f} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
+            f"tok/s {rec['tokens_per_s']:.0f} sampled v{sampled} -> v{version} (staleness {rec['staleness']}) "
+            f"({rec['step_time_s']:.1f}s, {rec['epoch']:.2f} of a pass)")
+        if s.checkpoint_every and step % s.checkpoint_every == 0 and step < plan.steps:
+            save(step)
+        if s.eval_every and step % s.eval_every == 0 and step < plan.steps:
+            run_eval(step)
+    if start < plan.steps:
+        save(plan.steps)
+    run_eval(plan.steps)
+    adapter_dir = _save_adapter(model, output_dir / "adapter")
+    final |= {"steps": plan.steps, "episodes": len(plan.examples), "served": served, "version": version,
+              "allow_uncalibrated": s.allow_uncalibrated, "uncalibrated_episodes": plan.uncalibrated_episodes,
+              "one_pass_capped": plan.capped}
+    metrics.write({"event": "end", "step": plan.steps, **final})
+    published = {"model": served, "version": version} if publisher is not None else None
+    (output_dir / "summary.json").write_text(json.dumps(
+        {"final": final, "adapter_dir": str(adapter_dir), "published": published}, indent=2, sort_keys=True,
+        default=str) + "\n")
+    out(f"done: {plan.steps} steps, adapter at {adapter_dir}, last served as {served}")
+    return RunResult(True, plan.steps, Path(output_dir), plan, adapter_dir, final, published)
