@@ -60,6 +60,9 @@ async def run_demo(opts: DemoOptions) -> int:
     redis_url = os.environ.get("REDIS_URL") or os.environ.get("FANROUTE_REDIS__URL") or "memory://"
     if not bootstrap:
         print(f"[1/{STEPS}] starting Apache Kafka (KRaft) and redis-server on loopback ...", flush=True)
+        # Always on empty broker storage: a previous run's `adapters` records name versions (router@1, ...)
+        # that this run's fresh Redis numbers again, and a new sampler would fetch those from a dead publisher.
+        stack.down(DEMO_STACK, wipe=True)
         info = stack.up(DEMO_STACK, 0, 0, libs_dir=REPO / ".stack" / "kafka-libs")
         bootstrap, redis_url, started_stack = info.bootstrap_servers, info.redis_url, True
     print(f"      Kafka at {bootstrap}, Redis at {redis_url}", flush=True)

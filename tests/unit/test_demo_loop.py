@@ -144,3 +144,24 @@ def test_demo_market_flag_sets_the_market_every_service_reads(monkeypatch, marke
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
     assert main(["demo", "--market", market]) == 0
     assert seen == {"market": market, "judge": judge}
+
+
+async def test_the_demo_starts_its_own_stack_on_wiped_broker_storage(monkeypatch, tmp_path):
+    """A previous run's adapter announcements must not reach this run's sampler (their versions repeat)."""
+    import devstack
+    import services.tools.demo as demo
+    from services.tools.demo import DEMO_STACK, DemoOptions, run_demo
+
+    calls = []
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.delenv("FANROUTE_KAFKA__BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setattr(devstack, "down", lambda state_dir, wipe=False: calls.append(("down", state_dir, wipe)))
+    monkeypatch.setattr(devstack, "up", lambda state_dir, *a, **kw: calls.append(("up", state_dir)) or SimpleNamespace(
+        bootstrap_servers="127.0.0.1:1", redis_url="redis://127.0.0.1:1/0"))
+
+    async def fake_demo_on(opts, kafka, redis_url):
+        return 0
+
+    monkeypatch.setattr(demo, "demo_on", fake_demo_on)
+    assert await run_demo(DemoOptions(out_dir=tmp_path)) == 0
+    assert calls[:2] == [("down", DEMO_STACK, True), ("up", DEMO_STACK)]
