@@ -51,6 +51,7 @@ class TraceOutbox:
         self._loose: set[asyncio.Future[None]] = set()  # first sends of traces refused a spool slot
         self._wake = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
+        self._stopping = False
         m = metrics
         m.spool_depth.set_function(lambda: self.spool.depth)
         m.spool_oldest_age.set_function(self.spool.oldest_age_s)
@@ -74,6 +75,7 @@ class TraceOutbox:
 
     async def stop(self) -> None:
         """Stop draining; give the first sends still going ``publish_wait_s`` to land, record what did."""
+        self._stopping = True
         if self._drainer is not None:
             self._drainer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -139,22 +141,29 @@ class TraceOutbox:
 
     async def _drain(self) -> None:
         retry = 0
-        while True:
+        while not self._stopping:
             self._wake.clear()
             await asyncio.to_thread(self._apply_landed)
             batch = [r for r in self.spool.pending()
                      if r.seq not in self._inflight and r.seq not in self._landed][:DRAIN_BATCH]
             if not batch:  # nothing, or only first sends still going: they wake us when they resolve
-                await self._wake.wait()
+                await self._woken(None)
                 continue
             ok = await self._republish(batch)
             if ok:
                 retry = 0
                 continue
             retry += 1
-            delay = transient_delay(self.bus.settings, retry)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=delay)
+            await self._woken(transient_delay(self.bus.settings, retry))
+
+    async def _woken(self, timeout_s: float | None) -> None:
+        """Until something is spooled or lands (or ``timeout_s``). Not ``wait_for``: on Python 3.11 it can
+        swallow the drainer's cancellation when the wake-up comes at the same moment."""
+        waiter = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({waiter}, timeout=timeout_s)
+        finally:
+            waiter.cancel()
 
     async def _republish(self, batch: list[SpoolRecord]) -> bool:
         """Send ``batch`` in spool order and wait for the outcomes; ack what landed. All landed?"""
