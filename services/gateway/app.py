@@ -9,9 +9,7 @@ import time
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.topics import topic
@@ -19,12 +17,15 @@ from schemas.trace import Candidate, Route, Signals
 from services.common.bus import Bus
 from services.common.http import BodyLimit, lifespan_of
 from services.common.http import error as error_response
+from services.common.openapi import NON_BLANK, PROMETHEUS, install_contract, prometheus
 from services.common.spool import SpoolError
 from services.common.stamps import StampStore
 from services.gateway.ids import trace_id_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.outbox import TraceOutbox, default_spool_dir
+from services.gateway.push import RESPONSES as PUSH_RESPONSES
 from services.gateway.push import push
+from services.gateway.push import request_body as push_body
 from services.gateway.routed import RoutedMode
 from services.gateway.settings import GatewaySettings
 from services.providers.base import Provider
@@ -41,7 +42,8 @@ class SearchRequest(BaseModel):
     """A search; ``request_id`` makes a retried request produce the same trace id."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    query: str = Field(description="The user's query (non-empty after trimming)")
+    query: str = Field(description="The user's query: not only whitespace, at most max_query_chars characters",
+                       json_schema_extra={"minLength": 1, "pattern": NON_BLANK})
     query_id: str | None = Field(default=None, max_length=256, description="Caller's id for the query")
     request_id: str | None = Field(default=None, min_length=1, max_length=128,
                                    description="Idempotency key: the trace id is derived from it, the query "
@@ -167,17 +169,16 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
     app.add_middleware(BodyLimit, default=settings.max_body_bytes, prefixes={"/v1/episodes": settings.max_push_bytes},
                        on_reject=gw.metrics.rejected.labels("body_too_large").inc)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        gw.metrics.rejected.labels("invalid").inc()
-        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}"
-                           for e in errors[:5])
-        return error_response(422, "invalid_request", reason)
+    install_contract(app, on_reject=lambda kind: gw.metrics.rejected.labels(
+                         {"invalid_request": "invalid"}.get(kind, kind)).inc(),
+                     body_limit=lambda path: settings.max_push_bytes if path.startswith("/v1/episodes")
+                     else settings.max_body_bytes,
+                     limits={"SearchRequest.query": {"maxLength": settings.max_query_chars}})
 
     @app.post("/v1/search", response_model=SearchResponse,
-              responses={413: {"description": "Body or query too large"},
-                         422: {"description": "Invalid request, with the reason"},
+              responses={413: {"description": "Body over max_body_bytes (body_too_large)"},
+                         422: {"description": "Invalid request (invalid_request) or a query over max_query_chars "
+                                             "(query_too_long), with the reason"},
                          503: {"description": "Kafka did not acknowledge the trace in time and the spool is "
                                               "full or unwritable (error spool_full / spool_unavailable)"}})
     async def search(req: SearchRequest) -> Any:
@@ -185,10 +186,10 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
         if not query:
             gw.metrics.rejected.labels("empty_query").inc()
             return error_response(422, "invalid_request", "query: must not be empty or only whitespace")
-        if len(query) > settings.max_query_chars:
+        if len(req.query) > settings.max_query_chars:
             gw.metrics.rejected.labels("query_too_long").inc()
-            return error_response(413, "query_too_long",
-                          f"query: {len(query)} characters; the limit is {settings.max_query_chars}")
+            return error_response(422, "query_too_long",
+                          f"query: {len(req.query)} characters; the limit is {settings.max_query_chars}")
         t0 = time.perf_counter()
         try:
             result, answer_ms = await gw.search(req, query)
@@ -205,11 +206,7 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
                         headers={TRACE_HEADER: result.trace_status,
                                  "Server-Timing": timing})
 
-    @app.post("/v1/episodes", responses={
-        200: {"description": "Every line stored"},
-        207: {"description": "Some lines stored; a result per line with its status and reason"},
-        400: {"description": "No episode in the body"}, 413: {"description": "Too many bytes or lines"},
-        422: {"description": "No line was a valid episode"}})
+    @app.post("/v1/episodes", openapi_extra=push_body(settings), responses=PUSH_RESPONSES)
     async def push_episodes(request: Request) -> Any:
         """JSONL, one Episode per line (the ``episodes`` topic's shape); valid lines are stored."""
         return await push(gw, await request.body())
@@ -223,9 +220,9 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
             health["routing"] = gw.routed.describe()
         return health
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
-        return Response(generate_latest(gw.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return prometheus(gw.metrics.registry)
 
     return app
 

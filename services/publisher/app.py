@@ -13,24 +13,24 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request, Response
 from fastapi import Path as PathParam
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    generate_latest,
-)
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse
+from prometheus_client import CollectorRegistry, Counter
 from pydantic import BaseModel, ConfigDict, Field
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.adapter import MODEL_ID_PATTERN, AdapterPublished
 from schemas.topics import topic
-from services.common.adapter_files import AdapterFilesError, check_adapter_files
+from services.common.adapter_files import (
+    ADAPTER_FILES,
+    REQUIRED_FILES,
+    SHA256_RE,
+    AdapterFilesError,
+    check_adapter_files,
+)
 from services.common.bus import Bus
 from services.common.errors import BusError
 from services.common.http import BodyLimit, lifespan_of
 from services.common.http import error as error_response
+from services.common.openapi import PROMETHEUS, errors, install_contract, prometheus
 from services.common.stamps import StampStore, stamp_key, stamp_store
 from services.publisher.settings import PublisherSettings
 from services.publisher.store import (
@@ -46,6 +46,15 @@ from services.publisher.store import (
 
 log = logging.getLogger(__name__)
 ModelId = PathParam(pattern=MODEL_ID_PATTERN, description="The router's model id")
+Sha256 = PathParam(pattern=SHA256_RE.pattern, description="The blob's sha256 (64 lowercase hex digits)")
+#: The file list of a version as JSON Schema: plain PEFT adapter file names → sha256 (what
+#: :func:`check_adapter_files` enforces, with 400 bad_files; the model keeps ``dict[str, str]`` so the
+#: refusal names the file).
+FILES_SCHEMA = {"propertyNames": {"enum": sorted(ADAPTER_FILES)}, "required": sorted(REQUIRED_FILES),
+                "additionalProperties": {"type": "string", "pattern": SHA256_RE.pattern}}
+OCTET_BODY = {"requestBody": {"required": True, "description": "The blob's bytes",
+                              "content": {"application/octet-stream": {"schema": {"type": "string",
+                                                                                  "format": "binary"}}}}}
 
 
 class Unavailable(PublisherError):
@@ -59,9 +68,18 @@ class VersionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     base_model: str = Field(min_length=1, max_length=512, description="Base model the LoRA applies to")
-    files: dict[str, str] = Field(min_length=1, max_length=32, description="File name → sha256 of its blob")
+    files: dict[str, str] = Field(min_length=1, max_length=32, json_schema_extra=FILES_SCHEMA,
+                                  description="File name → sha256 of its blob (a plain PEFT adapter: "
+                                              "adapter_config.json and adapter_model.safetensors at least)")
     metrics: dict[str, float] = Field(default_factory=dict, max_length=256, description="Eval metrics")
     run_id: str | None = Field(default=None, min_length=1, max_length=256, description="Trainer run id")
+
+
+class BlobStored(BaseModel):
+    """A stored blob: its hash, and whether this request stored it (False: it was there)."""
+
+    sha256: str
+    created: bool
 
 
 class PromoteRequest(BaseModel):
@@ -237,37 +255,34 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
         pub.metrics.rejected.labels(exc.error).inc()
         return error_response(exc.status, exc.error, str(exc))
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        error = "not_found" if exc.status_code == 404 else f"http_{exc.status_code}"
-        return error_response(exc.status_code, error, f"{request.method} {request.url.path}: {exc.detail}")
+    install_contract(app, on_reject=lambda kind: pub.metrics.rejected.labels(kind).inc(),
+                     loc_with_source=True, body_limit=lambda path: (
+                         settings.max_blob_bytes if path.startswith("/v1/blobs/") else settings.max_json_bytes))
+    unknown_version = {404: "No such model id or version, named in the reason"}
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        pub.metrics.rejected.labels("invalid_request").inc()
-        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
-                           for e in exc.errors()[:5])
-        return error_response(422, "invalid_request", reason)
-
-    @app.put("/v1/blobs/{sha256}", status_code=201, responses={
-        200: {"description": "Already stored"}, 400: {"description": "Body does not hash to the path"},
-        413: {"description": "Over max_blob_bytes"}})
-    async def put_blob(sha256: str, request: Request, response: Response) -> dict[str, Any]:
+    @app.put("/v1/blobs/{sha256}", status_code=201, response_model=BlobStored, openapi_extra=OCTET_BODY,
+             responses={200: {"description": "Already stored", "model": BlobStored},
+                        **errors({400: "Body does not hash to the path (hash_mismatch)",
+                                  413: f"Over max_blob_bytes ({settings.max_blob_bytes} bytes)"})})
+    async def put_blob(request: Request, response: Response, sha256: str = Sha256) -> Any:
         """Store the body as the blob ``sha256`` (refused unless it hashes to it); idempotent."""
         created = await pub.put_blob(sha256, request.stream())
         response.status_code = 201 if created else 200
         return {"sha256": sha256, "created": created}
 
-    @app.get("/v1/blobs/{sha256}", response_class=FileResponse)
-    async def get_blob(sha256: str) -> FileResponse:
+    @app.get("/v1/blobs/{sha256}", response_class=FileResponse, responses={
+        200: {"description": "The blob's bytes", "content": {"application/octet-stream": {}}},
+        **errors({404: "No such blob"})})
+    async def get_blob(sha256: str = Sha256) -> FileResponse:
         """The blob's bytes."""
         return _file(pub.blobs.path(sha256))
 
     @app.post("/v1/adapters/{model_id}/versions", status_code=201, response_model=AdapterPublished,
-              responses={200: {"description": "Same content posted before: the existing version"},
-                         400: {"description": "Not plain PEFT adapter files"},
-                         409: {"description": "Blobs not uploaded, named in the reason"},
-                         503: {"description": "Stored but Kafka did not ack; retry"}})
+              responses={200: {"description": "Same content posted before: the existing version",
+                               "model": AdapterPublished},
+                         **errors({400: "Not plain PEFT adapter files (bad_files)",
+                                   409: "Blobs not uploaded, named in the reason (missing_blobs)",
+                                   503: "Stored but Kafka did not ack; retry (bus_unavailable)"})})
     async def post_version(req: VersionRequest, response: Response, model_id: str = ModelId) -> Any:
         """Publish a version made of uploaded blobs: stamp, manifest, ``adapters`` message."""
         message, created = await pub.publish(model_id, req)
@@ -279,12 +294,14 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
         """Every stored version of ``model_id``, oldest first."""
         return [pub.describe(m) for m in pub.manifests.all(model_id)]
 
-    @app.get("/v1/adapters/{model_id}/versions/{version}")
+    @app.get("/v1/adapters/{model_id}/versions/{version}", responses=errors(unknown_version))
     async def get_version(version: int, model_id: str = ModelId) -> dict[str, Any]:
         """One version's manifest."""
         return pub.describe(pub.manifests.get(model_id, version))
 
-    @app.get("/v1/adapters/{model_id}/versions/{version}/files/{name}", response_class=FileResponse)
+    @app.get("/v1/adapters/{model_id}/versions/{version}/files/{name}", response_class=FileResponse, responses={
+        200: {"description": "The file's bytes", "content": {"application/octet-stream": {}}},
+        **errors({404: "No such version, or no such file in it"})})
     @app.get("/v1/adapters/{model_id}/versions/{version}/{name}", response_class=FileResponse,
              include_in_schema=False)  # ``<message url>/<file name>``, as plain HTTP fetchers pull
     async def get_file(version: int, name: str, model_id: str = ModelId) -> FileResponse:
@@ -297,13 +314,14 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
         return {"model_id": model_id, "stamp": await pub.stamps.get(model_id),
                 "key": stamp_key(settings.kafka.topic_namespace, model_id)}
 
-    @app.post("/v1/adapters/{model_id}/promote", response_model=AdapterPublished)
+    @app.post("/v1/adapters/{model_id}/promote", response_model=AdapterPublished, responses=errors({
+        **unknown_version, 503: "Kafka did not ack the announcement; retry (bus_unavailable)"}))
     async def promote(req: PromoteRequest, model_id: str = ModelId) -> Any:
         """Make ``version`` the promoted one and announce it (promoted=True)."""
         return await pub.promote(model_id, req.version, fallback_provider=req.fallback_provider,
                                  evidence=req.evidence)
 
-    @app.get("/v1/adapters/{model_id}/promoted")
+    @app.get("/v1/adapters/{model_id}/promoted", responses=errors({404: "No promoted version"}))
     async def promoted(model_id: str = ModelId) -> dict[str, Any]:
         """The promoted version with its fallback provider and the evidence it was promoted on (404: none)."""
         version = pub.manifests.promoted(model_id)
@@ -316,7 +334,7 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
         """Sampler id → the version it reported serving (unexpired reports only)."""
         return await pub.stamps.serving(model_id)
 
-    @app.post("/v1/serving")
+    @app.post("/v1/serving", responses=errors(unknown_version))
     async def report_serving(report: ServingReport) -> dict[str, Any]:
         """A sampler's heartbeat; the version it serves survives retention while reports keep coming."""
         return await pub.report_serving(report)
@@ -326,9 +344,9 @@ def create_app(settings: PublisherSettings, *, publisher: Publisher | None = Non
         return {"status": "ok", "storage_dir": str(settings.storage_dir),
                 "kafka": "memory" if pub.bus.in_memory else settings.kafka.bootstrap_servers}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
-        return Response(generate_latest(pub.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return prometheus(pub.metrics.registry)
 
     return app
 

@@ -14,30 +14,40 @@ adapters) in :mod:`services.sampler.serving`, and the response bodies in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.http import BodyLimit, lifespan_of
+from services.common.openapi import PROMETHEUS, errors, install_contract, prometheus
 from services.sampler.registry import AdapterError
 from services.sampler.serving import Sampler
 from services.sampler.settings import SamplerSettings
-from services.sampler.shaping import create_chat_completion, create_completion, model_cards
+from services.sampler.shaping import (
+    create_chat_completion,
+    create_completion,
+    model_cards,
+)
 from services.sampler.wire import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
-    bad_request,
     error_response,
 )
 
 __all__ = ["Sampler", "create_app"]
+
+_VLLM_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
+_GENERATE_ERRORS = {
+    400: "Invalid or malformed request (vLLM's BadRequestError); also what depends on the model: a prompt "
+         "over its context (prompt_too_long) or a token id outside its vocabulary",
+    404: "No such model or adapter (model_not_found)",
+    503: "The adapter's source (the publisher) is unreachable; retry (adapter_source_unreachable)"}
 
 
 def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> FastAPI:
@@ -60,44 +70,55 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
     async def _adapter_error(request: Request, exc: AdapterError) -> JSONResponse:
         return await _api_error(request, ApiError(400, "invalid_adapter", str(exc), param="lora_path"))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0]["loc"][1:2] if errors else ()
-        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:]) or 'body'}: {e['msg']}" for e in errors[:5])
-        return await _api_error(request, bad_request(reason, str(first[0]) if first else None))
+    def render(request: Request, status: int, kind: str, reason: str, headers: Mapping[str, str] | None) -> Response:
+        """Refusals from the framework (validation, malformed JSON, routing) in vLLM's error shape."""
+        s.metrics.requests.labels(request.url.path, str(status)).inc()
+        param = reason.split(":", 1)[0].split(".", 1)[0] if kind == "invalid_request" and ":" in reason else None
+        response = error_response(ApiError(status, kind, reason, param=param if param != "body" else None,
+                                           vllm_type=_VLLM_TYPES.get(status, "BadRequestError")))
+        response.headers.update(headers or {})
+        return response
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(ApiError(exc.status_code, kind, str(exc.detail), vllm_type="NotFoundError"
-                               if exc.status_code == 404 else "BadRequestError"))
+    lim = settings.max_logprobs
+    install_contract(app, validation_status=400, render=render, body_limit=lambda path: settings.max_body_bytes,
+                     limits={"CompletionRequest.logprobs": {"maximum": lim},
+                             "CompletionRequest.prompt_logprobs": {"minimum": 0, "maximum": lim},
+                             "ChatCompletionRequest.top_logprobs": {"maximum": lim},
+                             **{f"{m}.{f}": {"maximum": settings.max_tokens_limit} for m, f in (
+                                 ("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                                 ("ChatCompletionRequest", "max_completion_tokens"))},
+                             **{f"{m}.stop": {"maxItems": settings.max_stop_strings}
+                                for m in ("CompletionRequest", "ChatCompletionRequest")}},
+                     patch=lambda doc: _batch_limit(doc, settings.max_prompts))
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         return model_cards(s)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=errors(_GENERATE_ERRORS))
     async def completions(req: CompletionRequest) -> dict[str, Any]:
         body = await create_completion(s, req)
         s.metrics.requests.labels("/v1/completions", "200").inc()
         return body
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=errors(_GENERATE_ERRORS))
     async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any]:
         body = await create_chat_completion(s, req)
         s.metrics.requests.labels("/v1/chat/completions", "200").inc()
         return body
 
-    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=errors({
+        400: "Invalid request, or the path is not a loadable PEFT adapter (invalid_adapter), or the name is "
+             "taken (already_loaded) or the base model's"}))
     async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> str:
         return await s.load_lora(req)
 
-    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+              responses=errors({404: "No adapter or alias of that name (adapter_not_found)"}))
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> str:
         return await s.unload_lora(req)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "Alive (empty body)"}})
     async def health() -> Response:
         """vLLM's liveness probe: 200, empty body."""
         return Response(status_code=200)
@@ -109,8 +130,14 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
                 "kafka": "off" if not settings.consume_adapters else
                 "memory" if s.bus.in_memory else settings.kafka.bootstrap_servers}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
-        return Response(generate_latest(s.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return prometheus(s.metrics.registry)
 
     return app
+
+
+def _batch_limit(doc: dict[str, Any], max_prompts: int) -> None:
+    """A batch (a list of texts or of token-id lists) holds at most ``max_prompts`` prompts."""
+    for variant in doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][2:]:
+        variant["maxItems"] = max_prompts

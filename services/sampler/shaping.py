@@ -162,6 +162,11 @@ async def create_chat_completion(s: Sampler, req: ChatCompletionRequest) -> dict
     if req.top_logprobs and not req.logprobs:
         raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
     k = (req.top_logprobs or 0) if req.logprobs else None
+    for field in ("max_tokens", "max_completion_tokens"):  # the one not used is held to the limit too
+        value = getattr(req, field)
+        if value is not None and value > s.settings.max_tokens_limit:
+            raise bad_request(f"{field}: {value} is over this server's limit of {s.settings.max_tokens_limit}",
+                              field)
     max_tokens = s.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
     gen = await s.generate(entry, ids, sampling_params(req, s.settings, max_tokens, k))
     choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},

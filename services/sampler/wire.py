@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from services.common.errors import FanrouteError
+from services.common.openapi import NON_BLANK
 
 
 class ApiError(FanrouteError):
@@ -46,6 +47,17 @@ def error_response(exc: ApiError) -> JSONResponse:
 Stop = StrictStr | list[StrictStr] | None
 TokenIds = list[StrictInt]
 
+# What the server refuses with 400 besides the model's own checks, in the OpenAPI document (the
+# refusals keep vLLM's messages, so the models do not enforce these themselves). Limits that come from
+# the settings are filled in by ``services.sampler.app``.
+_ONLY_FALSE = {"anyOf": [{"type": "boolean", "const": False}, {"type": "null"}]}
+_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1}, _IDS,
+                           {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+                           {"type": "array", "items": _IDS, "minItems": 1}]}
+STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                         {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}
+
 
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (vLLM's names and defaults)."""
@@ -57,27 +69,30 @@ class SamplingFields(BaseModel):
     top_p: StrictFloat | StrictInt | None = Field(default=None, gt=0, le=1)
     top_k: StrictInt | None = Field(default=None, ge=-1)
     seed: StrictInt | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
-    stop: Stop = None
+    stop: Stop = Field(default=None, json_schema_extra=STOP_SCHEMA)
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     n: StrictInt = Field(default=1, ge=1, le=1, description="Only n=1 is served")
-    stream: StrictBool | None = Field(default=False, description="Streaming is not served")
+    stream: StrictBool | None = Field(default=False, description="Streaming is not served",
+                                      json_schema_extra=_ONLY_FALSE)
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: one prompt (text or token ids) or a list of them; ``prompt_logprobs``
     scores the prompt tokens too (vLLM's ``CompletionRequest.prompt_logprobs``)."""
 
-    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
+    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds] = Field(
+        json_schema_extra=PROMPT_SCHEMA, description="Text or token ids, or a batch of either (not empty)")
     max_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictInt | None = Field(default=None, ge=0)
     prompt_logprobs: StrictInt | None = Field(
         default=None, description="vLLM's extra parameter: every prompt token's logprob, rank and this many "
                                   "alternatives (0 = the actual token only); checked against max_logprobs")
-    echo: StrictBool | None = Field(default=False, description="Echoing the prompt is not served")
+    echo: StrictBool | None = Field(default=False, description="Echoing the prompt is not served",
+                                    json_schema_extra=_ONLY_FALSE)
 
 
 class ContentPart(BaseModel):
@@ -111,8 +126,9 @@ class LoadLoRAAdapterRequest(BaseModel):
     """``POST /v1/load_lora_adapter`` (vLLM's body)."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
-    lora_name: StrictStr
-    lora_path: StrictStr
+    lora_name: StrictStr = Field(json_schema_extra={"pattern": NON_BLANK})
+    lora_path: StrictStr = Field(json_schema_extra={"pattern": NON_BLANK},
+                                 description="A PEFT adapter directory on the sampler's machine")
     load_inplace: StrictBool = False
 
 

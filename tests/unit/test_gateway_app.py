@@ -100,7 +100,7 @@ async def test_unacknowledged_trace_is_spooled_and_said_so(gw_client):
 @pytest.mark.parametrize("payload, status, reason", [
     ({"query": ""}, 422, "must not be empty"),
     ({"query": "   \n\t "}, 422, "must not be empty"),
-    ({"query": "x" * 51}, 413, "51 characters; the limit is 50"),
+    ({"query": "x" * 51}, 422, "51 characters; the limit is 50"),
     ({"query": 42}, 422, "query: Input should be a valid string"),
     ({"query": ["a"]}, 422, "query: Input should be a valid string"),
     ({}, 422, "query: Field required"),
@@ -117,7 +117,7 @@ async def test_bad_input_is_a_clear_4xx_and_publishes_nothing(gw_client, payload
 async def test_malformed_json_and_oversized_body(gw_client):
     client, gw, got, _ = gw_client
     r = await client.post("/v1/search", content=b'{"query": ', headers={"content-type": "application/json"})
-    assert r.status_code == 422 and "JSON decode error" in r.json()["reason"]
+    assert r.status_code == 400 and r.json()["error"] == "invalid_json" and "not valid JSON" in r.json()["reason"]
     r = await client.post("/v1/search", content=b'{"query": "' + b"x" * 4000 + b'"}',
                           headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"] == "body_too_large"

@@ -107,7 +107,7 @@ def test_blob_put_is_verified_idempotent_and_readable(harness):
     _refused(harness.http.put(f"/v1/blobs/{sha(b'other')}", content=data), 400, "hash_mismatch",
              sha(data), sha(b"other"))
     assert not harness.publisher.blobs.has(sha(b"other"))
-    _refused(harness.http.put("/v1/blobs/not-a-hash", content=data), 400, "bad_request", "sha256")
+    _refused(harness.http.put("/v1/blobs/not-a-hash", content=data), 422, "invalid_request", "sha256")
     _refused(harness.http.get(f"/v1/blobs/{sha(b'never')}"), 404, "not_found")
     assert not list(harness.publisher.blobs.root.glob(".upload-*")), "temporary upload left behind"
 
@@ -183,15 +183,16 @@ def test_same_content_again_returns_the_existing_version(harness):
     assert harness.client.publish("router-b", d, "base", {})["version"] == 1
 
 
-@pytest.mark.parametrize("body, where", [
-    (b"{not json", "body"), (b'{"base_model": "m", "files": {"a": 1}}', "files"),
-    (b'{"base_model": "m", "files": {"adapter_config.json": "x"}, "extra": 1}', "extra"),
-    (b'{"files": {"adapter_config.json": "x"}}', "base_model"),
+@pytest.mark.parametrize("body, status, error, where", [
+    (b"{not json", 400, "invalid_json", "not valid JSON"),
+    (b'{"base_model": "m", "files": {"a": 1}}', 422, "invalid_request", "files"),
+    (b'{"base_model": "m", "files": {"adapter_config.json": "x"}, "extra": 1}', 422, "invalid_request", "extra"),
+    (b'{"files": {"adapter_config.json": "x"}}', 422, "invalid_request", "base_model"),
 ])
-def test_malformed_version_requests_are_422_with_reason(harness, body, where):
+def test_malformed_version_requests_are_4xx_with_reason(harness, body, status, error, where):
     r = harness.http.post("/v1/adapters/router/versions", content=body,
                           headers={"content-type": "application/json"})
-    _refused(r, 422, "invalid_request", where)
+    _refused(r, status, error, where)
 
 
 def test_bad_model_id_is_422_and_unknown_routes_404(harness):

@@ -397,9 +397,9 @@ async def test_bad_requests_are_4xx_with_error_and_reason(harness, tiny, path, b
 
 async def test_not_json_and_wrong_method(harness):
     r = await harness.client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"] == "invalid_request"
+    assert r.status_code == 400 and r.json()["error"] == "invalid_json" and r.json()["object"] == "error"
     r = await harness.client.get("/v1/completions")
-    assert r.status_code == 405 and "reason" in r.json()
+    assert r.status_code == 405 and "reason" in r.json() and r.headers["allow"] == "POST"
 
 
 async def test_health_and_metrics(harness):
