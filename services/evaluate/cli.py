@@ -23,6 +23,13 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be within 0..1, got {text}")
+    return value
+
+
 def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> None:
     p.add_argument("--candidate", required=True, help="served name of the candidate adapter, e.g. router@3")
     p.add_argument("--train-episodes", type=Path, required=train_required,
@@ -63,6 +70,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the candidate must beat each baseline by more than this on each measure")
     p.add_argument("--max-router-p99-ms", type=_non_negative, default=None,
                    help="the candidate router's own decision time must have p99 within this (default: no limit)")
+    p.add_argument("--max-fallback-share", type=_share, default=0.05,
+                   help="at most this share of the candidate's answers may be fallbacks (router errors, "
+                        "timeouts, unparseable answers)")
     p.add_argument("--cost-min-gain", type=_non_negative, default=0.02,
                    help="a candidate dearer per query than the deployed router must beat it by at least this "
                         "on both measures")
@@ -149,7 +159,8 @@ def _promote(args: argparse.Namespace, settings) -> int:
                                  f"{report.inputs.deployed or 'none'}, but the publisher's promoted {model_id} "
                                  f"is now {current_name or 'none'}; evaluate again")
         decision = decide(report, min_gain=args.min_gain, eval_file=str(eval_path),
-                          max_router_p99_ms=args.max_router_p99_ms, cost_min_gain=args.cost_min_gain)
+                          max_router_p99_ms=args.max_router_p99_ms, cost_min_gain=args.cost_min_gain,
+                          max_fallback_share=args.max_fallback_share)
         status = 0 if decision.decision == "promote" else EXIT_REFUSED
         if decision.decision == "promote":
             try:

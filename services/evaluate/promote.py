@@ -2,11 +2,14 @@
 best single provider on BOTH measures (the judge's grades and the humans' nDCG@10) on held-out data,
 decides fast enough, and does not cost more than the deployed router without paying for it.
 
-Three rules, each a :class:`Check` naming its rule:
+Four rules, each a :class:`Check` naming its rule:
 - ``quality``: candidate mean > baseline mean + ``min_gain`` for every (measure, baseline) pair; a
   measure with no data (no held-out query has qrels, or the judge graded none) refuses;
 - ``latency``: the candidate's own decision time (the router call, not the providers) has p99 within
   ``max_router_p99_ms`` (when set);
+- ``reliability``: at most ``max_fallback_share`` of the held-out queries were answered by a fallback
+  (router error, timeout, unparseable answer): a candidate that rarely decides is the best single
+  provider under another name, and its measures say nothing about it;
 - ``cost``: with a deployed router, the candidate's cost per query is no higher than the deployed
   router's, unless it beats the deployed router by at least ``cost_min_gain`` on both measures.
 A candidate that is already the deployed version is refused.
@@ -32,7 +35,7 @@ class Check(BaseModel):
     """One (measure, baseline) comparison of the rule."""
 
     model_config = ConfigDict(frozen=True)
-    rule: Literal["quality", "latency", "cost"] = "quality"
+    rule: Literal["quality", "latency", "reliability", "cost"] = "quality"
     measure: str
     baseline: str = Field(description="best_single, deployed, or limit (latency)")
     baseline_name: str | None = Field(description="The best single provider's or the deployed adapter's name")
@@ -47,6 +50,10 @@ class Check(BaseModel):
             verb = "within" if self.passed else "over"
             return (f"latency: candidate router p99 {self.candidate_mean:.1f} ms {verb} the limit "
                     f"{self.baseline_mean:.0f} ms (n={self.n})")
+        if self.rule == "reliability":
+            verb = "within" if self.passed else "over"
+            return (f"reliability: {self.candidate_mean:.1%} of the candidate's answers were fallbacks, {verb} "
+                    f"the limit {self.baseline_mean:.1%} (n={self.n})")
         if self.rule == "cost":
             verb = "no higher than" if self.passed else "higher than"
             return (f"cost: candidate {self.candidate_mean:.5f} USD/query {verb} {who} {self.baseline_mean:.5f}"
@@ -79,7 +86,7 @@ class Decision(BaseModel):
 
 
 def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", max_router_p99_ms: float | None = None,
-           cost_min_gain: float = 0.02) -> Decision:
+           cost_min_gain: float = 0.02, max_fallback_share: float = 0.05) -> Decision:
     """Apply the rules to an eval report (pure)."""
     i = report.inputs
     cand = report.policies[CANDIDATE]
@@ -99,6 +106,10 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
         checks.append(Check(rule="latency", measure="router_p99_ms", baseline="limit",
                             baseline_name=f"{max_router_p99_ms:g} ms", candidate_mean=p99,
                             baseline_mean=max_router_p99_ms, n=cand.queries, passed=p99 <= max_router_p99_ms))
+    share = sum(cand.fallbacks.values()) / cand.queries if cand.queries else 1.0
+    checks.append(Check(rule="reliability", measure="fallback_share", baseline="limit",
+                        baseline_name=f"{max_fallback_share:.0%}", candidate_mean=share, baseline_mean=max_fallback_share,
+                        n=cand.queries, passed=share <= max_fallback_share))
     if i.deployed is not None:
         dep = report.policies[DEPLOYED]
         pays = all((c := cand.measure(m).mean) is not None and (d := dep.measure(m).mean) is not None

@@ -16,19 +16,21 @@ from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, write_
 
 
 def _metrics(policy: str, human: float | None, judge: float | None, adapter: str | None = None, *,
-             cost: float = 0.001, router_p99_ms: float | None = None) -> PolicyMetrics:
+             cost: float = 0.001, router_p99_ms: float | None = None,
+             fallbacks: dict[str, int] | None = None) -> PolicyMetrics:
     return PolicyMetrics(policy=policy, adapter=adapter, queries=10,
                          human=MeasureStats(mean=human, n=0 if human is None else 10),
                          judge=MeasureStats(mean=judge, n=10), calls_per_query=1, cost_per_query_usd=cost,
                          latency_p50_ms=100, latency_p99_ms=200,
-                         router_p50_ms=None if router_p99_ms is None else router_p99_ms / 2, router_p99_ms=router_p99_ms)
+                         router_p50_ms=None if router_p99_ms is None else router_p99_ms / 2, router_p99_ms=router_p99_ms,
+                         fallbacks=fallbacks or {})
 
 
 def make_report(cand=(0.6, 2.0), best=(0.5, 1.5), deployed=(0.55, 1.8), *, candidate="router@3",
                 deployed_name: str | None = "router@2", cand_cost: float = 0.001,
-                cand_router_p99_ms: float | None = 80.0) -> EvalReport:
+                cand_router_p99_ms: float | None = 80.0, cand_fallbacks: dict[str, int] | None = None) -> EvalReport:
     policies = {"candidate": _metrics("candidate", *cand, adapter=candidate, cost=cand_cost,
-                                      router_p99_ms=cand_router_p99_ms),
+                                      router_p99_ms=cand_router_p99_ms, fallbacks=cand_fallbacks),
                 "best_single": _metrics("best_single", *best),
                 "oracle": _metrics("oracle", 0.7, 2.5), "fanout": _metrics("fanout", 0.55, 1.9)}
     if deployed_name is not None:
@@ -49,14 +51,16 @@ def make_report(cand=(0.6, 2.0), best=(0.5, 1.5), deployed=(0.55, 1.8), *, candi
 def test_promotes_when_it_beats_both_baselines_on_both_measures():
     d = decide(make_report())
     assert d.decision == "promote" and all(c.passed for c in d.checks)
-    assert [c.rule for c in d.checks] == ["quality"] * 4 + ["cost"] and d.decided_by == ["cost", "quality"]
+    assert [c.rule for c in d.checks] == ["quality"] * 4 + ["reliability", "cost"]
+    assert d.decided_by == ["cost", "quality", "reliability"]
     assert d.fallback_provider == "bm25-all"
     assert any("human: candidate 0.6000 beats best_single (bm25-all) 0.5000" in r for r in d.reasons)
 
 
 def test_no_deployed_router_means_only_the_best_single_baseline():
     d = decide(make_report(deployed_name=None))
-    assert d.decision == "promote" and {c.baseline for c in d.checks} == {"best_single"}
+    assert d.decision == "promote" and {c.baseline for c in d.checks if c.rule == "quality"} == {"best_single"}
+    assert "cost" not in {c.rule for c in d.checks}
 
 
 @pytest.mark.parametrize("kwargs, reason", [
@@ -86,6 +90,14 @@ def test_the_router_must_decide_within_the_latency_limit():
     assert d.decision == "refuse" and d.decided_by == ["latency"]
     assert d.reasons == ["latency: candidate router p99 850.0 ms over the limit 100 ms (n=10)"]
     assert decide(make_report(cand_router_p99_ms=None), max_router_p99_ms=100).decided_by == ["latency"]  # unmeasured
+
+
+def test_a_router_that_mostly_falls_back_is_refused_whatever_its_measures():
+    assert decide(make_report(cand_fallbacks={"router_timeout": 0})).decision == "promote"
+    d = decide(make_report(cand_fallbacks={"router_error": 10}))  # every answer was the fallback provider's
+    assert d.decision == "refuse" and d.decided_by == ["reliability"]
+    assert d.reasons == ["reliability: 100.0% of the candidate's answers were fallbacks, over the limit 5.0% (n=10)"]
+    assert decide(make_report(cand_fallbacks={"router_error": 1}), max_fallback_share=0.1).decision == "promote"
 
 
 def test_a_dearer_router_must_pay_for_itself_in_quality():
@@ -190,6 +202,9 @@ def test_cli_bad_input(tmp_path, publisher, capsys):
     assert "--train-episodes is required" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*base, "--candidate", "router@3", "--min-gain", "-1"])
+    with pytest.raises(SystemExit):
+        main([*base, "--candidate", "router@3", "--max-fallback-share", "1.5"])
+    assert "must be within 0..1, got 1.5" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("status, code", [(503, 1), (404, 2)])
