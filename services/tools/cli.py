@@ -65,8 +65,14 @@ def run(args: argparse.Namespace) -> int:
     return args.func(args)
 
 
+def _stop_on_sigterm(signum, frame) -> None:
+    """SIGTERM ends the demo like Ctrl-C does: the ``finally`` blocks stop its services and its stack."""
+    raise SystemExit(128 + signum)
+
+
 def _demo(args: argparse.Namespace) -> int:
     import os
+    import signal
 
     from services.tools.demo import DemoOptions, run_demo
 
@@ -85,7 +91,11 @@ def _demo(args: argparse.Namespace) -> int:
                        keep_stack=args.keep_stack, loop=args.loop, held_out_fraction=args.held_out,
                        passes=args.passes,
                        **({"out_dir": args.out} if args.out else {}))
-    return asyncio.run(run_demo(opts))
+    before = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return asyncio.run(run_demo(opts))
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
@@ -24,12 +25,14 @@ async def served(app: Any, port: int, *, what: str, start_timeout_s: float = 900
     """Serve ``app`` on 127.0.0.1:``port``; yields its base URL once the lifespan has started.
 
     uvicorn reports a failed start-up by ending its task (SystemExit inside it), so the wait
-    checks the task as well as ``server.started``.
+    checks the task as well as ``server.started``. The server does not take over SIGINT/SIGTERM: an
+    embedded uvicorn would turn them into "stop this one server" and the demo would carry on without it.
     """
     import uvicorn
 
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False))
+    server.capture_signals = contextlib.nullcontext  # the process's own handlers stay in force
     task = asyncio.create_task(server.serve(), name=f"serve:{what}")
     try:
         async with asyncio.timeout(start_timeout_s):

@@ -165,3 +165,22 @@ async def test_the_demo_starts_its_own_stack_on_wiped_broker_storage(monkeypatch
     monkeypatch.setattr(demo, "demo_on", fake_demo_on)
     assert await run_demo(DemoOptions(out_dir=tmp_path)) == 0
     assert calls[:2] == [("down", DEMO_STACK, True), ("up", DEMO_STACK)]
+
+
+async def test_an_embedded_server_leaves_the_process_signal_handlers_alone():
+    """uvicorn would turn SIGTERM into "stop this one server" and the demo would carry on without it."""
+    import signal
+
+    from fastapi import FastAPI
+
+    from services.tools.serving import free_port, served
+
+    def mine(signum, frame):
+        raise AssertionError("not called")
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        async with served(FastAPI(), free_port(), what="probe"):
+            assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
