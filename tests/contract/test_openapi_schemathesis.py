@@ -23,7 +23,7 @@ import pytest
 
 from tests.support.contract import APPS, ThreadServer
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 20
 SEED = 20240613
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -59,7 +59,9 @@ def sampler_app(tmp: Path) -> Any:
     from tests.support.tiny_model import build_tiny_model
 
     base = build_tiny_model(tmp / "tiny-base", context=128)
+    # Short generations and small batches: the contract is the same, the run is seconds, not minutes.
     settings = SamplerSettings(base_model="unused", served_model_name="tiny-base", consume_adapters=False,
+                               max_tokens_limit=8, default_max_tokens=4, max_prompts=2, max_logprobs=5,
                                adapter_cache_dir=tmp / "sampler-cache",
                                kafka=KafkaSettings(bootstrap_servers="memory://"))
     return create_app(settings, sampler=Sampler(settings, engine=Engine(base)))
