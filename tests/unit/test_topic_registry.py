@@ -1,6 +1,7 @@
 """The topic registry's producers and consumers match the code, both ways, so the list cannot rot.
 
-Every call that publishes (``publish``, ``publish_once``) or reads (``subscribe``, ``read_topic``,
+Every call that publishes (``publish``, ``publish_once``, or ``Bus.record_of``: the record an outbox sends
+or spools) or reads (``subscribe``, ``read_topic``,
 ``read_topic_records``, ``read_messages``, ``read_to_end``, ``read_records_to_end``) a registry
 topic (``topic("name")`` among its arguments) is found in ``services/`` by parsing the source.
 A call in a shared module (``services/common``, or one of ``LIBRARIES``) counts for every service
@@ -20,7 +21,7 @@ from schemas.topics import TOPICS, wire_name
 from services.common.settings import KafkaSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCE = {"publish", "publish_once"}
+PRODUCE = {"publish", "publish_once", "record_of"}
 CONSUME = {"subscribe", "read_topic", "read_topic_records", "read_messages", "read_to_end", "read_records_to_end"}
 #: path prefix (relative to the repo) → the name the registry uses; the longest prefix wins
 SERVICE_OF = {
