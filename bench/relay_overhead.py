@@ -145,9 +145,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     sampler, relay = f"http://127.0.0.1:{sport}", f"http://127.0.0.1:{rport}"
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as http:
+            # built before the wait: a pooled keep-alive connection must not sit idle past uvicorn's timeout
+            path = None if args.no_adapter else fresh_adapter(args.base, tmp / "policy")
             await wait_ready(http, f"{sampler}/health", procs[0], "sampler", tmp / "sampler.log")
-            if not args.no_adapter:
-                path = fresh_adapter(args.base, tmp / "policy")
+            if path is not None:
                 async with http.post(f"{sampler}/v1/load_lora_adapter",
                                      json={"lora_name": "policy@1", "lora_path": str(path)}) as r:
                     assert r.status == 200, await r.text()
@@ -182,6 +183,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             p.wait(timeout=30)
     out["loadavg_after"] = os.getloadavg()
+    if kafka:  # the relay's own timings, from the Call records it published
+        from schemas import Call, topic
+        from services.common.replay_topic import read_topic
+        from services.common.settings import KafkaSettings
+
+        ks = KafkaSettings(bootstrap_servers=kafka, topic_namespace=common["FANROUTE_KAFKA__TOPIC_NAMESPACE"])
+        calls = [c async for c in read_topic(ks, topic("calls"), model=Call)]
+        out["relay_side"] = {"calls": len(calls), "render_ms": pct([c.timings.render_ms for c in calls]),
+                             "handler_minus_sampler_ms": pct([c.timings.total_ms - c.timings.sample_ms
+                                                              for c in calls])}
     return out
 
 
@@ -196,6 +207,11 @@ def report(out: dict[str, Any]) -> None:
         print(f"{level:>5}{r['direct']['p50']:>12.1f}{r['direct']['p99']:>9.1f}{r['relay']['p50']:>11.1f}"
               f"{r['relay']['p99']:>9.1f}{r['ratio']['p50']:>10.3f}x{r['ratio']['p99']:>6.3f}x"
               f"{r['added']['p50']:>11.2f}{r['added']['p99']:>8.2f}  {met}")
+    if "relay_side" in out:
+        side = out["relay_side"]
+        print(f"relay side ({side['calls']} Call records): render p50 {side['render_ms']['p50']:.2f} ms, "
+              f"p99 {side['render_ms']['p99']:.2f} ms; handler minus sampler (before the Kafka publish) p50 "
+              f"{side['handler_minus_sampler_ms']['p50']:.2f} ms, p99 {side['handler_minus_sampler_ms']['p99']:.2f} ms")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
