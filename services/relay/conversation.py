@@ -12,9 +12,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import BaseModel, ConfigDict
+
 from services.common.errors import FanrouteError
 
 Wire = Literal["openai", "anthropic"]
+
+
+class Loose(BaseModel):
+    """A wire body or part of one: the fields the relay reads are typed, any others are accepted."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class BadRequest(FanrouteError):

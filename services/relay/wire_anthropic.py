@@ -14,11 +14,12 @@ import json
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from services.relay.conversation import (
     BadRequest,
     ChatRequest,
+    Loose,
     Reply,
     Sampling,
     check_max_tokens,
@@ -27,11 +28,7 @@ from services.relay.conversation import (
 )
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Block(_Loose):
+class Block(Loose):
     type: StrictStr
     text: StrictStr | None = None
     id: StrictStr | None = None
@@ -41,18 +38,18 @@ class Block(_Loose):
     content: StrictStr | list[dict[str, Any]] | None = None
 
 
-class Message(_Loose):
+class Message(Loose):
     role: Literal["user", "assistant"]
     content: StrictStr | list[Block]
 
 
-class ToolDef(_Loose):
+class ToolDef(Loose):
     name: StrictStr = Field(min_length=1, max_length=128)
     description: StrictStr | None = None
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
 
 
-class MessagesBody(_Loose):
+class MessagesBody(Loose):
     """The fields of ``POST /v1/messages`` the relay reads."""
 
     model: StrictStr = Field(min_length=1)

@@ -14,11 +14,12 @@ import uuid
 from collections.abc import Iterator
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from services.relay.conversation import (
     BadRequest,
     ChatRequest,
+    Loose,
     Reply,
     Sampling,
     check_max_tokens,
@@ -27,27 +28,23 @@ from services.relay.conversation import (
 )
 
 
-class _Loose(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class Part(_Loose):
+class Part(Loose):
     type: StrictStr
     text: StrictStr | None = None
 
 
-class FunctionCall(_Loose):
+class FunctionCall(Loose):
     name: StrictStr
     arguments: StrictStr | dict[str, Any] = "{}"
 
 
-class ToolCall(_Loose):
+class ToolCall(Loose):
     id: StrictStr
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class Message(_Loose):
+class Message(Loose):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[Part] | None = None
     tool_calls: list[ToolCall] | None = None
@@ -55,22 +52,22 @@ class Message(_Loose):
     name: StrictStr | None = None
 
 
-class FunctionDef(_Loose):
+class FunctionDef(Loose):
     name: StrictStr = Field(min_length=1, max_length=128)
     description: StrictStr | None = None
     parameters: dict[str, Any] | None = None
 
 
-class Tool(_Loose):
+class Tool(Loose):
     type: Literal["function"]
     function: FunctionDef
 
 
-class StreamOptions(_Loose):
+class StreamOptions(Loose):
     include_usage: StrictBool | None = None
 
 
-class ChatCompletionBody(_Loose):
+class ChatCompletionBody(Loose):
     """The fields of ``POST /v1/chat/completions`` the relay reads."""
 
     model: StrictStr = Field(min_length=1)
