@@ -130,7 +130,8 @@ class Relay:
             counts[c.disposition] = counts.get(c.disposition, 0) + 1
         datums = episode_datums(calls, advantage=advantage, trace_id=trace_id)
         return {"trace_id": trace_id, "calls": len(calls), "dispositions": counts,
-                "segments": len(fold_segments(calls)), "datums": [d.model_dump(mode="json") for d in datums]}
+                "segments": len(fold_segments(calls)), "datums": [d.model_dump(mode="json") for d in datums],
+                "call_records": [c.model_dump(mode="json") for c in calls]}  # the rollout runner keeps them
 
     # --------------------------------------------------------------------------- calls
     async def call(self, trace_id: str, req: ChatRequest, headers: Any) -> Outcome:
