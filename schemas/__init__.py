@@ -9,6 +9,7 @@ from schemas.base import Message, decode
 from schemas.call import Call, CallTimings
 from schemas.dead_letter import DeadLetter
 from schemas.episode import ChatMessage, Episode, RewardComponent
+from schemas.rollout import CommandRun, Rollout, RolloutGroup
 from schemas.task import Task
 from schemas.topics import TOPICS, TopicSpec, topic
 from schemas.trace import Candidate, Citation, Route, Signals, Trace
@@ -16,6 +17,7 @@ from schemas.verdict import CandidateGrade, Verdict
 
 __all__ = [
     "AdapterPublished", "Call", "CallTimings", "Candidate", "CandidateGrade", "ChatMessage", "Citation", "DeadLetter",
-    "Episode", "Message", "RewardComponent", "Route", "Signals", "Task", "TOPICS", "TopicSpec", "Trace",
+    "CommandRun", "Episode", "Message", "RewardComponent", "Rollout", "RolloutGroup", "Route", "Signals", "Task",
+    "TOPICS", "TopicSpec", "Trace",
     "Verdict", "decode", "topic",
 ]

@@ -17,6 +17,7 @@ from schemas.base import Message
 from schemas.calibration import CalibrationRecord, Review
 from schemas.call import Call
 from schemas.episode import Episode
+from schemas.rollout import RolloutGroup
 from schemas.task import Task
 from schemas.trace import Trace
 from schemas.verdict import Verdict
@@ -64,12 +65,11 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("tasks", Task, "task_id", partitions=3,
                   description="A replay task built from a judged trace (Harbor task layout).",
                   producers=("episodes",),
-                  consumers=("episodes CLI", "demo"),
-                  planned_consumers=("rollout runner (not yet built)",)),
+                  consumers=("episodes CLI", "demo", "rollouts")),
         TopicSpec("adapters", AdapterPublished, "model_id", partitions=1,
                   description="A published or promoted router adapter version.",
                   producers=("publisher",),
-                  consumers=("gateway", "sampler")),
+                  consumers=("gateway", "sampler", "rollouts")),
         TopicSpec("calibrations", CalibrationRecord, "gate_key", partitions=1,
                   description="A judge calibration result; the newest per gate key opens or closes training.",
                   producers=("calibrate CLI", "demo"),
@@ -82,6 +82,11 @@ TOPICS: dict[str, TopicSpec] = {
                   description="One model call a harness made through the relay: prompt ids, sampled ids and "
                               "their logprobs, the disposition, the adapter version, timings, the request.",
                   producers=("relay",),
+                  planned_consumers=("trainer (rl run kind, not yet built)",)),
+        TopicSpec("rollouts", RolloutGroup, "group_id", partitions=3,
+                  description="A group of rollouts of one replay task under one adapter version: each rollout's "
+                              "harness output, relay calls, reward and datums (advantage = reward - group mean).",
+                  producers=("rollouts",),
                   planned_consumers=("trainer (rl run kind, not yet built)",)),
     )
 }

@@ -35,6 +35,7 @@ SERVICE_OF = {
     "services/publisher/": "publisher",
     "services/sampler/": "sampler",
     "services/relay/": "relay",
+    "services/rollouts/": "rollouts",
     "services/trainer/": "trainer",
     "services/evaluate/": "evaluate",
     "services/tools/demo.py": "demo",
