@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make a fresh Debian machine able to run fanroute's tests and demo, idempotently:
-#   1. system packages (apt): redis-server, a Java 17+ runtime, Maven, and docker-compose (only to
+#   1. system packages (apt): redis-server, a Java 17+ runtime, Maven, bubblewrap (the rollout
+#      runner's sandbox), and docker-compose (only to
 #      validate compose.yaml in the tests, no Docker engine) — only those missing;
 #   2. the project itself: `pip install -e '.[dev]'` — only when something it needs is missing
 #      or does not satisfy pyproject.toml;
@@ -22,6 +23,8 @@ if ! command -v java >/dev/null 2>&1; then
     missing+=(openjdk-17-jre-headless)
 fi
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
+# bubblewrap: the rollout runner's sandbox where no Docker daemon answers (services/rollouts/sandbox.py).
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 # Debian's docker-compose validates compose.yaml (`docker-compose config -q`) without an engine.
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 
@@ -35,7 +38,7 @@ if ((${#missing[@]})); then
     "${SUDO[@]}" apt-get update -q
     DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    say "redis-server, java, mvn and docker-compose already installed"
+    say "redis-server, java, mvn, bwrap and docker-compose already installed"
 fi
 
 java_major=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java.specification.version = //p' | cut -d. -f1)
