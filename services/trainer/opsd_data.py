@@ -1,10 +1,17 @@
 """OPSD's prompt rows: each episode as the student's prompt, the teacher's hinted prompt and the grades.
 
 Why a module of its own: the student sees the conversation up to its last user turn (what the router
-sees when serving); the teacher sees the same conversation with a hint appended to that user turn,
-built from the episode's reward map and recorded answer (``reward``) or from the user's rubric
+sees when serving); the teacher sees the same conversation with a hint appended to its system turn,
+built from the episode's recorded answer and reward values (``reward``) or from the user's rubric
 template (``custom``). Both are rendered with the base model's own chat template, so the sampled
 completion tokens follow either prompt the same way and only the completion positions are compared.
+
+Where and how the hint is written matters on a 135M model (measured on the demo's SFT adapter, six
+episodes): appended to the system turn the recorded answer gains 1.7 nats under the teacher, appended
+to the user turn 0.5; a hint that spells out the reward's long name (``ndcg:<judge>:<hash>``) makes
+the teacher want to keep writing after the ordering (the end-of-turn token loses 5 nats, so every
+sample's last token gets a large negative advantage and one step teaches the student not to stop),
+while the values alone cost it 0.3.
 """
 
 from __future__ import annotations
@@ -20,8 +27,7 @@ from services.trainer.data import reward_of, token_ids
 from services.trainer.evaluate import GradesFor, tier_grades, tolerant_tiers
 from services.trainer.settings import OpsdRun
 
-REWARD_HINT = ("(A note for this query that only you see: the judge's reference answer is \"{answer}\"; "
-               "graded against the judge, it scored {rewards}.)")
+REWARD_HINT = "For this query the judge's answer is: {answer} ({rewards})"
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,9 @@ class PromptRow:
 
 
 def _rewards_text(ep: Episode) -> str:
-    return ", ".join(f"{c.name} = {c.value:.2f}" for c in ep.rewards) or "no reward"
+    """The reward map's values, short: ``reward 1.00`` or ``rewards 1.00, 0.83`` (names are noise to the teacher)."""
+    values = [f"{c.value:.2f}" for c in ep.rewards]
+    return f"reward{'s' if len(values) > 1 else ''} {', '.join(values)}" if values else "no reward yet"
 
 
 def hint_for(ep: Episode, run: OpsdRun) -> str:
@@ -70,10 +78,12 @@ def prompt_messages(ep: Episode) -> list[dict[str, str]]:
 
 
 def hinted_messages(ep: Episode, hint: str) -> list[dict[str, str]]:
-    """The student's messages with the hint after the last user turn's text."""
+    """The student's messages with the hint on a line of its own after the system turn (one is added first
+    when the conversation has none)."""
     msgs = prompt_messages(ep)
-    msgs[-1] = {"role": "user", "content": f"{msgs[-1]['content']}\n\n{hint}"}
-    return msgs
+    if msgs[0]["role"] != "system":
+        return [{"role": "system", "content": hint}, *msgs]
+    return [{"role": "system", "content": f"{msgs[0]['content']}\n{hint}"}, *msgs[1:]]
 
 
 def grades_of(ep: Episode, grades_for: GradesFor | None) -> dict[str, float]:
