@@ -7,7 +7,7 @@ interpreter's prefix read-only, ``/app``, ``/logs``, ``/root`` and ``/tmp`` writ
 rollout, ``/tests`` bound only for the verifier, the relay only through a bound unix socket (the harness
 phase), no other network (only loopback exists). stdin is closed; the command runs in its own session and
 process group, which is killed (SIGKILL) at its timeout; ``--die-with-parent`` and the PID namespace take
-every process inside down with it. What it does not isolate: see the README (same kernel, no seccomp
+every process inside down with it; every capability is dropped. What it does not isolate: see the README (same kernel, no seccomp
 filter, no cgroup CPU/memory accounting beyond rlimits, root stays uid 0 unless the user namespace maps it).
 """
 
@@ -192,7 +192,9 @@ class Bubblewrap:
     def argv(self, ws: Workspace, phase: Phase, command: tuple[str, ...], env: Mapping[str, str]) -> list[str]:
         """The bwrap command line of one command of ``phase``."""
         s = self.settings
-        args = [s.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--hostname", "sandbox"]
+        # --cap-drop ALL: run as root, bwrap would otherwise leave the child every capability in its user namespace
+        args = [s.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+                "--hostname", "sandbox"]
         for path in (*s.system_ro_binds, *s.extra_ro_binds):
             if os.path.exists(path):
                 args += ["--ro-bind", path, path]

@@ -108,10 +108,12 @@ async def test_the_harness_reaches_no_network_not_even_the_hosts_loopback(tmp_pa
 
 
 async def test_the_system_is_read_only(tmp_path):
-    run = await roll(tmp_path, 'touch /usr/x || echo usr-ro; touch /etc/x || echo etc-ro; '
+    run = await roll(tmp_path, 'grep -q "^CapEff:[[:space:]]*0*$" /proc/self/status || echo has-capabilities; '
+                               'mount -t tmpfs x /app 2>/dev/null || echo no-mount; '
+                               'touch /usr/x || echo usr-ro; touch /etc/x || echo etc-ro; '
                                f'touch {Path(__file__)} || echo host-invisible; echo ok > /tmp/t && echo tmp-rw\n'
                                'exit 4\n')
-    assert run.harness.stdout.split() == ["usr-ro", "etc-ro", "host-invisible", "tmp-rw"]
+    assert run.harness.stdout.split() == ["no-mount", "usr-ro", "etc-ro", "host-invisible", "tmp-rw"]
     assert run.harness.stderr.count("Read-only file system") == 2 and "No such file or directory" in run.harness.stderr
     assert (run.outcome, run.reward, run.harness.exit_code) == ("harness_crashed", -1.0, 4)
     assert "exited with status 4" in run.reason
