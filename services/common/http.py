@@ -31,12 +31,16 @@ def lifespan_of(service: Any) -> Callable[[Any], Any]:
 class BodyLimit:
     """Pure ASGI middleware: 413 for a body over its path's limit, before or while reading it.
 
-    ``prefixes`` maps a path prefix to its own limit (first match wins); ``on_reject`` counts.
+    ``prefixes`` maps a path prefix to its own limit (first match wins); ``on_reject`` counts;
+    ``render(status, kind, reason)`` writes the refusal in the service's own error body (default
+    :func:`error`), so that a 413 has the same fields as the service's other errors.
     """
 
     def __init__(self, app: Any, *, default: int, prefixes: dict[str, int] | None = None,
-                 on_reject: Callable[[], None] = lambda: None) -> None:
+                 on_reject: Callable[[], None] = lambda: None,
+                 render: Callable[[int, str, str], Any] = error) -> None:
         self.app, self.default, self.prefixes, self.on_reject = app, default, prefixes or {}, on_reject
+        self.render = render
 
     def _limit(self, path: str) -> int:
         return next((n for p, n in self.prefixes.items() if path.startswith(p)), self.default)
@@ -63,9 +67,9 @@ class BodyLimit:
         except _TooLarge:
             await self._refuse(max_bytes)(scope, receive, send)
 
-    def _refuse(self, max_bytes: int) -> JSONResponse:
+    def _refuse(self, max_bytes: int) -> Any:
         self.on_reject()
-        return error(413, "body_too_large", f"request body over {max_bytes} bytes")
+        return self.render(413, "body_too_large", f"request body over {max_bytes} bytes")
 
 
 class _TooLarge(Exception):

@@ -53,9 +53,10 @@ NON_BLANK = r"[^\s\x1c-\x1f]"
 _JSON = "application/json"
 
 
-def errors(descriptions: Mapping[int, str]) -> dict[int | str, dict[str, Any]]:
-    """``responses=`` for a route's own refusals: each status with its description and :class:`ErrorBody`."""
-    return {status: {"model": ErrorBody, "description": text} for status, text in descriptions.items()}
+def errors(descriptions: Mapping[int, str], model: type[BaseModel] = ErrorBody) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` for a route's own refusals: each status with its description and :class:`ErrorBody`
+    (or the service's extension of it, ``model``)."""
+    return {status: {"model": model, "description": text} for status, text in descriptions.items()}
 
 
 #: ``responses=`` of ``GET /metrics`` (use with ``response_class=Response``, answer with :func:`prometheus`).
@@ -115,7 +116,8 @@ def install_contract(app: FastAPI, *, validation_status: int = 422, render: Rend
                      on_reject: Callable[[str], None] = lambda kind: None,
                      body_limit: Callable[[str], int] | None = None, loc_with_source: bool = False,
                      limits: Mapping[str, Mapping[str, Any]] | None = None,
-                     patch: Callable[[dict[str, Any]], None] | None = None) -> None:
+                     patch: Callable[[dict[str, Any]], None] | None = None,
+                     error_model: type[BaseModel] = ErrorBody) -> None:
     """Error handlers and an honest OpenAPI document for ``app`` (see the module doc).
 
     ``validation_status`` is what an invalid body or parameter gets (422; the sampler, like vLLM, 400);
@@ -124,7 +126,8 @@ def install_contract(app: FastAPI, *, validation_status: int = 422, render: Rend
     ``loc_with_source`` keeps ``body.``/``path.`` in the reason's field names; ``limits`` puts limits
     that come from settings into the document (``{"SearchRequest.query": {"maxLength": 2048}}``).
     ``patch(doc)`` may change the finished document further. An error status a route documents without
-    a body gets :class:`ErrorBody`.
+    a body gets :class:`ErrorBody`, or ``error_model``: a service's extension of it (the relay's adds
+    ``message``), which ``render`` then writes.
     """
 
     @app.exception_handler(RequestValidationError)
@@ -163,7 +166,7 @@ def install_contract(app: FastAPI, *, validation_status: int = 422, render: Rend
             doc = get_openapi(title=app.title, version=app.version, openapi_version=app.openapi_version,
                               summary=app.summary, description=app.description, routes=app.routes,
                               tags=app.openapi_tags, servers=app.servers)
-            doc = _honest(doc, validation_status, body_limit, limits or {})
+            doc = _honest(doc, validation_status, body_limit, limits or {}, error_model)
             if patch is not None:
                 patch(doc)
             app.openapi_schema = doc
@@ -182,15 +185,17 @@ def _allowed(app: FastAPI, request: Request) -> list[str]:
 
 
 def _honest(doc: dict[str, Any], validation_status: int, body_limit: Callable[[str], int] | None,
-            limits: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+            limits: Mapping[str, Mapping[str, Any]], error_model: type[BaseModel] = ErrorBody) -> dict[str, Any]:
     """FastAPI's document, with what the contract handlers really answer."""
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    error_name = error_model.model_config.get("title") or error_model.__name__
+    ref = {"$ref": f"#/components/schemas/{error_name}"}
     for where, constraints in limits.items():
         model, _, field = where.partition(".")
         schemas[model]["properties"][field].update(constraints)
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
-    schemas.setdefault("ErrorBody", ErrorBody.model_json_schema(ref_template="#/components/schemas/{model}"))
+    schemas.setdefault(error_name, error_model.model_json_schema(ref_template="#/components/schemas/{model}"))
     for path, path_item in doc.get("paths", {}).items():
         for method, op in path_item.items():
             if method not in ("get", "put", "post", "delete", "patch"):
@@ -200,21 +205,21 @@ def _honest(doc: dict[str, Any], validation_status: int, body_limit: Callable[[s
             if "HTTPValidationError" in str(default_422):
                 del responses["422"]
                 _add(responses, validation_status,
-                     "Invalid request: the reason names each offending field and why")
+                     "Invalid request: the reason names each offending field and why", ref)
             for status, entry in responses.items():  # errors are JSON, whatever the route's own media type
                 if status[0] in "45" and _JSON not in entry.get("content", {}):
-                    entry["content"] = {_JSON: {"schema": ERROR_REF}}
+                    entry["content"] = {_JSON: {"schema": ref}}
             body = op.get("requestBody")
             if body is None:
                 continue
             if _JSON in body.get("content", {}):
-                _add(responses, 400, "Malformed JSON: the body does not parse")
+                _add(responses, 400, "Malformed JSON: the body does not parse", ref)
             limit = f" ({body_limit(path)} bytes)" if body_limit else ""
-            _add(responses, 413, f"Request body over this server's limit{limit}")
+            _add(responses, 413, f"Request body over this server's limit{limit}", ref)
     return doc
 
 
-def _add(responses: dict[str, Any], status: int, description: str) -> None:
+def _add(responses: dict[str, Any], status: int, description: str, ref: dict[str, str] = ERROR_REF) -> None:
     """Document ``status`` with the error body (a route's own description of it stays)."""
     entry = responses.setdefault(str(status), {"description": description})
-    entry.setdefault("content", {}).setdefault(_JSON, {"schema": ERROR_REF})
+    entry.setdefault("content", {}).setdefault(_JSON, {"schema": ref})

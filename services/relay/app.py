@@ -9,8 +9,9 @@
 - ``GET /healthz``.
 
 A harness's credential is checked before its body is read; a refusal (401/403) never reaches the
-sampler. User agents are never looked at. Every error is ``{"error": <kind>, "reason": <text>}`` plus
-``message`` (what both SDKs show).
+sampler. User agents are never looked at. Every error, the framework's (404, 405, 413, 500) included, is
+``{"error": <kind>, "reason": <text>}`` plus ``message`` (and ``param``): :mod:`services.relay.openapi`,
+which also holds the OpenAPI document's request bodies, answers and security schemes.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import math
 import re
 from typing import Any
 
+from collections.abc import Mapping
+
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from schemas.call import TRACE_ID_PATTERN
 from services.common.datums import DatumError
 from services.common.http import BodyLimit, lifespan_of
+from services.common.openapi import install_contract
+from services.relay import openapi as doc
 from services.relay import wire_anthropic, wire_openai
 from services.relay.conversation import BadRequest
 from services.relay.credentials import token_of
@@ -49,6 +53,19 @@ def refuse(status: int, kind: str, reason: str, param: str | None = None) -> JSO
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+_NO_ROUTE = ("(the relay serves /tr/<trace_id>/v1/chat/completions, /tr/<trace_id>/v1/messages and "
+             "/tr/<trace_id>/v1/models)")
+
+
+def _framework_refusal(request: Request, status: int, kind: str, reason: str, headers: Mapping[str, str] | None) -> JSONResponse:
+    """The framework's refusals (unknown route, wrong method, crash) in the relay's error body."""
+    if status == 404:
+        reason = f"no route {request.method} {request.url.path} {_NO_ROUTE}"
+    response = refuse(status, kind, reason)
+    response.headers.update(headers or {})
+    return response
+
+
 def _validation_reason(exc: ValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     reason = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:5])
@@ -61,7 +78,7 @@ async def _json_object(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadRequest(f"body: not valid JSON ({exc})") from exc
+        raise BadRequest(f"body: not valid JSON ({exc})", kind="invalid_json") from exc
     if not isinstance(body, dict):
         raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
     return body
@@ -72,7 +89,10 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
     app = FastAPI(title="fanroute relay", version="0.1.0", lifespan=lifespan_of(r),
                   description="OpenAI and Anthropic APIs in, token ids to the sampler, every call recorded.")
     app.state.relay = r
-    app.add_middleware(BodyLimit, default=settings.max_body_bytes)
+    app.add_middleware(BodyLimit, default=settings.max_body_bytes,
+                       render=lambda status, kind, reason: refuse(status, kind, reason))
+    install_contract(app, validation_status=400, render=_framework_refusal, body_limit=lambda path: settings.max_body_bytes,
+                     error_model=doc.RelayErrorBody, patch=doc.patch(settings))
     admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
 
     @app.exception_handler(BadRequest)
@@ -90,14 +110,7 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
 
     @app.exception_handler(SamplerUnavailable)
     async def _sampler(request: Request, exc: SamplerUnavailable) -> JSONResponse:
-        return refuse(502, "sampler_unavailable", str(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        reason = (f"no route {request.method} {request.url.path} (the relay serves /tr/<trace_id>/v1/chat/completions, "
-                  "/tr/<trace_id>/v1/messages and /tr/<trace_id>/v1/models)") if exc.status_code == 404 else str(exc.detail)
-        return refuse(exc.status_code, kind, reason)
+        return refuse(exc.status, exc.kind, str(exc))
 
     async def episode(request: Request, trace_id: str) -> JSONResponse | None:
         """None when the request may use ``trace_id``; else the refusal."""
@@ -130,16 +143,25 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
         return StreamingResponse(iter(list(events)), media_type="text/event-stream",
                                  headers={"cache-control": "no-cache"})
 
-    @app.post("/tr/{trace_id}/v1/chat/completions")
+    @app.post("/tr/{trace_id}/v1/chat/completions", openapi_extra=doc.body(doc.chat_completion_schema(settings)),
+              responses={**doc.generated(doc.ChatCompletion, doc.OPENAI_EVENT, "OpenAI's chat.completion.chunk events, then "
+                                                             "data: [DONE]"), **doc.refusals(doc.GENERATE)})
     async def chat_completions(request: Request, trace_id: str) -> Any:
+        """OpenAI's Chat Completions: the episode's conversation, sampled by the policy, recorded."""
         return await serve(request, trace_id, "openai")
 
-    @app.post("/tr/{trace_id}/v1/messages")
+    @app.post("/tr/{trace_id}/v1/messages", openapi_extra=doc.body(doc.messages_schema(settings)),
+              responses={**doc.generated(doc.AnthropicMessage, doc.ANTHROPIC_EVENT, "Anthropic's message_start ... message_stop "
+                                                               "events"), **doc.refusals(doc.GENERATE)})
     async def messages(request: Request, trace_id: str) -> Any:
+        """Anthropic's Messages: the episode's conversation, sampled by the policy, recorded."""
         return await serve(request, trace_id, "anthropic")
 
-    @app.get("/tr/{trace_id}/v1/models")
+    @app.get("/tr/{trace_id}/v1/models", responses={200: {"model": doc.ModelList},
+                                                    **doc.refusals({400: doc.TRACE_400, **doc.CREDENTIAL,
+                                                                    **doc.SAMPLER})})
     async def models(request: Request, trace_id: str) -> Any:
+        """The policy's model, in a list both SDKs read."""
         if (refusal := await episode(request, trace_id)) is not None:
             return refusal
         name, _ = await r.policy()
@@ -158,8 +180,12 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
             return refuse(403, "forbidden", "not the admin token (an episode's token opens only its episode)")
         return None
 
-    @app.post("/admin/v1/credentials")
+    @app.post("/admin/v1/credentials", status_code=201, openapi_extra=doc.body(doc.MINT_BODY),
+              responses={201: {"model": doc.Minted, "description": "A one-episode token"},
+                         **doc.refusals({400: "Malformed JSON (invalid_json), or an invalid trace_id or ttl_s "
+                                              "(invalid_request)", **doc.ADMIN, 404: doc.ADMIN_OFF})})
     async def mint(request: Request) -> Any:
+        """Mint a token that opens ``/tr/<trace_id>/`` for ``ttl_s`` seconds."""
         if (refusal := admin_refusal(request)) is not None:
             return refusal
         body = await _json_object(request)
@@ -172,8 +198,13 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
         return JSONResponse({"trace_id": trace_id, "token": token, "ttl_s": ttl,
                              "base_path": f"/tr/{trace_id}"}, status_code=201)
 
-    @app.post("/admin/v1/credentials/revoke")
+    @app.post("/admin/v1/credentials/revoke", openapi_extra=doc.body(doc.REVOKE_BODY),
+              responses={200: {"model": doc.Revoked},
+                         **doc.refusals({400: "Malformed JSON (invalid_json), or no token (invalid_request)",
+                                         **doc.ADMIN, 404: f"{doc.ADMIN_OFF}; or no such credential, never "
+                                                           "minted or long expired (unknown_credential)"})})
     async def revoke(request: Request) -> Any:
+        """Revoke a token: refused as revoked from now on."""
         if (refusal := admin_refusal(request)) is not None:
             return refusal
         token = (await _json_object(request)).get("token")
@@ -183,8 +214,15 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
             return refuse(404, "unknown_credential", "no such credential (never minted, or long expired)")
         return {"revoked": True}
 
-    @app.post("/admin/v1/episodes/{trace_id}/end")
+    @app.post("/admin/v1/episodes/{trace_id}/end", openapi_extra=doc.body(doc.END_BODY, required=False),
+              responses={200: {"model": doc.EpisodeEnd},
+                         **doc.refusals({400: "Malformed JSON (invalid_json), an invalid trace id or advantage "
+                                              "(invalid_request)", **doc.ADMIN,
+                                         404: f"{doc.ADMIN_OFF}; or no calls recorded for this trace id, or "
+                                              "they expired (unknown_episode)",
+                                         409: "The calls do not fold into datums (unfoldable_episode)"})})
     async def end(request: Request, trace_id: str) -> Any:
+        """Fold the episode's calls into segments and Tinker-shaped datums."""
         if (refusal := admin_refusal(request)) is not None:
             return refusal
         if not _TRACE.match(trace_id):
@@ -202,7 +240,7 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
         except DatumError as exc:
             return refuse(409, "unfoldable_episode", str(exc))
 
-    @app.get("/healthz")
+    @app.get("/healthz", response_model=doc.Health)
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "renderer": r.renderer.name, "sampler": settings.sampler_url,
                 "kafka": "memory" if r.bus.in_memory else settings.kafka.bootstrap_servers}

@@ -12,7 +12,16 @@ from services.relay.conversation import BadRequest, Sampling
 
 
 class SamplerUnavailable(Exception):
-    """The sampler did not answer, or answered with a 5xx (a 502 to the harness)."""
+    """The sampler did not answer, or answered with a 5xx: a 503 to the harness (retry)."""
+
+    status, kind = 503, "sampler_unavailable"
+
+
+class SamplerUnusable(SamplerUnavailable):
+    """The sampler answered, but not something the relay can use (a 4xx that is not about the request,
+    no model listed, token ids without logprobs): a 502 to the harness."""
+
+    status, kind = 502, "sampler_unusable"
 
 
 @dataclass(frozen=True)
@@ -60,28 +69,36 @@ class SamplerClient:
     async def model_ids(self) -> list[str]:
         r = await self._request("GET", "/v1/models")
         if r.status_code != 200:
-            raise SamplerUnavailable(f"the sampler's /v1/models answered {r.status_code}: {r.text[:500]}")
-        return [m["id"] for m in r.json().get("data", [])]
+            raise SamplerUnusable(f"the sampler's /v1/models answered {r.status_code}: {r.text[:500]}")
+        try:
+            return [m["id"] for m in r.json().get("data", [])]
+        except (ValueError, AttributeError, KeyError, TypeError) as exc:
+            raise SamplerUnusable(f"the sampler's /v1/models answered no model list: {r.text[:500]}") from exc
 
     async def complete(self, model: str, prompt_ids: list[int], s: Sampling) -> Sampled:
         self.calls += 1
         r = await self._request("POST", "/v1/completions", json=completion_body(model, prompt_ids, s))
-        if r.status_code != 200:  # the sampler refused the request (prompt too long, bad stop, ...)
+        if r.status_code != 200:
             try:
                 data = r.json()
                 reason = data.get("reason") or data.get("message") or (data.get("error") or {}).get("message")
             except (ValueError, AttributeError):
                 reason = None
-            raise BadRequest(f"the sampler refused the call: {reason or r.text[:500]}", None,
-                             status=400 if r.status_code in (400, 413, 422) else r.status_code,
-                             kind="sampler_refused")
-        choice = r.json()["choices"][0]
-        lp = choice.get("logprobs") or {}
-        ids = list(choice.get("token_ids") or [])
-        logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+            if r.status_code in (400, 413, 422):  # the sampler refused this request (prompt too long, ...)
+                raise BadRequest(f"the sampler refused the call: {reason or r.text[:500]}", None,
+                                 kind="sampler_refused")
+            # 404 (no such model or adapter), 401, ...: the relay's setup, not the harness's request
+            raise SamplerUnusable(f"the sampler answered {r.status_code}: {reason or r.text[:500]}")
+        try:
+            choice = r.json()["choices"][0]
+            lp = choice.get("logprobs") or {}
+            ids = [int(i) for i in choice.get("token_ids") or []]
+            logprobs = [float(x) for x in lp.get("token_logprobs") or []]
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise SamplerUnusable(f"the sampler's completion is not vLLM's shape: {r.text[:500]}") from exc
         if len(logprobs) != len(ids):
-            raise SamplerUnavailable(f"the sampler returned {len(ids)} token ids but {len(logprobs)} logprobs "
-                                     "(does it support return_token_ids?)")
+            raise SamplerUnusable(f"the sampler returned {len(ids)} token ids but {len(logprobs)} logprobs "
+                                  "(does it support return_token_ids?)")
         return Sampled(token_ids=ids, logprobs=logprobs, text=choice.get("text") or "",
                        finish_reason=choice.get("finish_reason") or "length", stop_reason=choice.get("stop_reason"),
                        top_logprobs=lp.get("top_logprobs") if s.top_logprobs is not None else None)

@@ -94,9 +94,9 @@ class Relay:
         if self._base_model is None:
             ids = await self.sampler.model_ids()
             if not ids:
-                from services.relay.sampling import SamplerUnavailable
+                from services.relay.sampling import SamplerUnusable
 
-                raise SamplerUnavailable("the sampler lists no model")
+                raise SamplerUnusable("the sampler lists no model")
             self._base_model = ids[0]
         return self._base_model
 

@@ -135,6 +135,8 @@ def parse(raw: dict[str, Any], *, default_max_tokens: int, max_tokens_limit: int
     tools = [] if body.tool_choice == "none" else [
         {"type": "function", "function": t.function.model_dump(exclude_none=True)} for t in body.tools or ()]
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    for name in ("max_tokens", "max_completion_tokens"):  # each within the limit, whichever is used
+        check_max_tokens(getattr(body, name), 1, max_tokens_limit, name)
     sampling = Sampling(
         max_tokens=check_max_tokens(body.max_completion_tokens or body.max_tokens, default_max_tokens,
                                     max_tokens_limit, "max_tokens"),

@@ -59,7 +59,9 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
     app.state.sampler = s
 
     app.add_middleware(BodyLimit, default=settings.max_body_bytes,
-                       on_reject=s.metrics.requests.labels("*", "413").inc)
+                       on_reject=s.metrics.requests.labels("*", "413").inc,
+                       render=lambda status, kind, reason: error_response(
+                           ApiError(status, kind, reason, vllm_type=_VLLM_TYPES[413])))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:

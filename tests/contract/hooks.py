@@ -3,7 +3,10 @@ Schema can say.
 
 - ``application/x-ndjson`` (the gateway's episodes push) is sent as one JSON document per line, an
   array body being its lines;
-- ``PUT /v1/blobs/{sha256}``: the body must hash to the path, so a positive case gets the hash of its body.
+- ``PUT /v1/blobs/{sha256}``: the body must hash to the path, so a positive case gets the hash of its body;
+- the relay's ``/tr/{trace_id}/...``: a token opens one trace id only, so a positive case is sent to the
+  episode whose token the run holds (:data:`tests.support.contract.RELAY_TRACE_ID`); any other trace id
+  is a 403, which the document says.
 """
 
 from __future__ import annotations
@@ -13,6 +16,9 @@ import json
 from typing import Any
 
 import schemathesis
+from schemathesis.core.parameters import ParameterLocation
+
+from tests.support.contract import RELAY_TRACE_ID
 
 
 @schemathesis.serializer("application/x-ndjson")
@@ -24,8 +30,12 @@ def ndjson(ctx: schemathesis.SerializationContext, value: Any) -> bytes:
 @schemathesis.hook
 def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
     op = case.operation
-    if (op.method.upper(), op.path) != ("PUT", "/v1/blobs/{sha256}") or \
-            (case.meta is not None and case.meta.generation.mode.is_negative):
+    negative = case.meta is not None and case.meta.generation.mode.is_negative
+    if op.path.startswith("/tr/{trace_id}/"):
+        if not (negative and case.meta.is_negative_at(ParameterLocation.PATH)):  # a bad body gets to be read
+            case.path_parameters = {**(case.path_parameters or {}), "trace_id": RELAY_TRACE_ID}
+        return
+    if negative or (op.method.upper(), op.path) != ("PUT", "/v1/blobs/{sha256}"):
         return
     body = case.body if isinstance(case.body, bytes) else getattr(case.body, "data", None)
     if isinstance(body, bytes):

@@ -1,6 +1,6 @@
 """The API contract: schemathesis, with all its checks, against every HTTP app served by uvicorn.
 
-Each app (gateway, publisher, sampler: :mod:`tests.support.contract`) is served on loopback with its
+Each app (gateway, publisher, sampler, relay: :mod:`tests.support.contract`) is served on loopback with its
 lifespan on, and ``st run <app>/openapi.json --checks all`` tests every operation in every phase
 (examples, coverage, fuzzing, stateful), positive and negative data, bounded by ``MAX_EXAMPLES`` and a
 fixed seed. A failed check is a broken contract: fix the app or its document, not this test. What no
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.contract import APPS, ThreadServer
+from tests.support.contract import APPS, ThreadServer, client_headers
 
 MAX_EXAMPLES = 20
 SEED = 20240613
@@ -30,20 +30,24 @@ ROOT = HERE.parents[1]
 
 
 @pytest.fixture(scope="module", params=sorted(APPS))
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def served(request: pytest.FixtureRequest,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, dict[str, str]]]:
     name = request.param
-    with ThreadServer(APPS[name](tmp_path_factory.mktemp(name)), name) as server:
-        yield name, server.url
+    app = APPS[name](tmp_path_factory.mktemp(name))
+    with ThreadServer(app, name) as server:
+        yield name, server.url, client_headers(app)
 
 
-def test_every_app_keeps_its_openapi_contract(served: tuple[str, str], tmp_path: Path) -> None:
-    name, url = served
+def test_every_app_keeps_its_openapi_contract(served: tuple[str, str, dict[str, str]], tmp_path: Path) -> None:
+    name, url, headers = served
     env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.contract.hooks", "NO_COLOR": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "schemathesis.cli", "--no-color", "--config-file", str(HERE / "schemathesis.toml"),
            "run", f"{url}/openapi.json", "--checks", "all", "--mode", "all", "--max-examples", str(MAX_EXAMPLES),
            "--seed", str(SEED), "--generation-deterministic", "--workers", "1", "--request-timeout", "60",
            "--report", "junit", "--report-dir", str(tmp_path)]
+    for key, value in headers.items():  # credentials (the relay's episode and admin tokens)
+        cmd += ["--header", f"{key}: {value}"]
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"schemathesis found {name}'s API off its OpenAPI document:\n{out[-20000:]}"

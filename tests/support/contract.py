@@ -3,10 +3,14 @@
 - :func:`gateway_app`: static providers on the in-memory bus;
 - :func:`publisher_app`: a store in ``tmp``, the in-memory bus and stamp store;
 - :func:`sampler_app`: the tiny random model of :mod:`tests.support.tiny_model`;
+- :func:`relay_app`: the tiny model's tokenizer, the counting stand-in for the sampler of
+  :mod:`tests.support.relay` (in process), credentials in memory with one token minted for
+  :data:`RELAY_TRACE_ID`, the admin routes on; :func:`client_headers` is what a client sends it (the
+  episode token as ``x-api-key``, the admin token as a Bearer token);
 - :class:`ThreadServer`: uvicorn in a background thread, lifespan on (the app starts as in production).
 
-``python -m tests.support.contract [gateway|publisher|sampler ...]`` serves them and prints their
-URLs, to point the schemathesis CLI at them by hand.
+``python -m tests.support.contract [gateway|publisher|sampler|relay ...]`` serves them and prints their
+URLs (and the headers to send), to point the schemathesis CLI at them by hand.
 """
 
 from __future__ import annotations
@@ -67,8 +71,46 @@ def sampler_app(tmp: Path) -> Any:
     return create_app(settings, sampler=Sampler(settings, engine=Engine(base)))
 
 
+#: The episode the relay's contract run holds a token for (``hooks.py`` points ``/tr/`` requests at it).
+RELAY_TRACE_ID = "contract-episode"
+RELAY_ADMIN_TOKEN = "contract-admin-token"
+
+
+def relay_app(tmp: Path) -> Any:
+    import asyncio
+
+    import httpx
+
+    from services.common.settings import KafkaSettings, RedisSettings
+    from services.relay.app import create_app
+    from services.relay.credentials import MemoryCredentialStore
+    from services.relay.render import Renderer
+    from services.relay.sampling import SamplerClient
+    from services.relay.service import Relay
+    from services.relay.settings import RelaySettings
+    from tests.support.relay import counting_sampler
+    from tests.support.tiny_model import build_tokenizer
+
+    settings = RelaySettings(tokenizer="unused", admin_token=RELAY_ADMIN_TOKEN, max_tokens_limit=16,
+                             default_max_tokens=4, max_stop_sequences=4, max_body_bytes=65_536,
+                             kafka=KafkaSettings(bootstrap_servers="memory://"), redis=RedisSettings(url="memory://"))
+    credentials = MemoryCredentialStore()
+    token = asyncio.run(credentials.mint(RELAY_TRACE_ID, 86_400))
+    fake = counting_sampler()
+    sampler = SamplerClient("http://sampler", 30, transport=httpx.ASGITransport(app=fake))
+    relay = Relay(settings, renderer=Renderer(build_tokenizer()), sampler=sampler, credentials=credentials)
+    app = create_app(settings, relay=relay)
+    app.state.contract_headers = {"x-api-key": token, "Authorization": f"Bearer {RELAY_ADMIN_TOKEN}"}
+    return app
+
+
+def client_headers(app: Any) -> dict[str, str]:
+    """The headers a contract run sends ``app`` (credentials), none for most apps."""
+    return dict(getattr(app.state, "contract_headers", {}))
+
+
 APPS: dict[str, Callable[[Path], Any]] = {"gateway": gateway_app, "publisher": publisher_app,
-                                           "sampler": sampler_app}
+                                           "sampler": sampler_app, "relay": relay_app}
 
 
 class ThreadServer:
@@ -106,8 +148,10 @@ if __name__ == "__main__":
     names = sys.argv[1:] or list(APPS)
     with tempfile.TemporaryDirectory() as d, ExitStack() as stack:
         for name in names:
-            server = stack.enter_context(ThreadServer(APPS[name](Path(d)), name))
-            print(f"{name} {server.url}/openapi.json", flush=True)
+            app = APPS[name](Path(d))
+            server = stack.enter_context(ThreadServer(app, name))
+            headers = " ".join(f"-H '{k}: {v}'" for k, v in client_headers(app).items())
+            print(f"{name} {server.url}/openapi.json {headers}".rstrip(), flush=True)
         try:
             while True:
                 time.sleep(3600)
