@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
+from typing import Self
 from urllib.parse import urlsplit
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class RelayForward:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def __aenter__(self) -> RelayForward:
+    async def __aenter__(self) -> Self:
         self._server = await asyncio.start_unix_server(self._spawn, path=str(self.path))
         self.path.chmod(0o666)  # the sandbox may run as another uid
         return self

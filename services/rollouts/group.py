@@ -102,7 +102,7 @@ class GroupRunner:
         group_id = group_id or f"g-{uuid.uuid4().hex[:24]}"
         try:
             version = await self.stamps.get(s.model_id)
-        except Exception as exc:  # noqa: BLE001 - Redis down: the group is retried later
+        except Exception as exc:  # Redis down: the worker retries the group
             raise TransientError(f"cannot read the adapter stamp of {s.model_id}: {exc}") from exc
         started = datetime.now(UTC)
         runs = await asyncio.gather(*(self._one(task, f"{group_id}-{i}", i) for i in range(s.group_size)))

@@ -7,7 +7,7 @@ Why HTTP: services never import each other, and the relay owns its credential st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -39,7 +39,7 @@ class RelayAdmin:
         self.client = httpx.AsyncClient(base_url=url, timeout=timeout_s, transport=transport,
                                         headers={"authorization": f"Bearer {admin_token}"})
 
-    async def __aenter__(self) -> RelayAdmin:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -22,7 +22,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Literal, Protocol
@@ -157,7 +157,8 @@ async def run_process(argv: list[str], shown: tuple[str, ...], timeout_s: float,
                       truncated=cut_out or cut_err)
 
 
-def _rlimits(memory_mb: int, file_size_mb: int):  # noqa: ANN202 - a preexec_fn
+def _rlimits(memory_mb: int, file_size_mb: int) -> Callable[[], None]:
+    """The preexec_fn that sets the sandbox's rlimits (inherited by bwrap and everything inside)."""
     def apply() -> None:
         if memory_mb:
             resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))

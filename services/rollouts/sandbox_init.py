@@ -10,7 +10,6 @@ Usage: ``python3 sandbox_init.py PORT SOCKET -- ARGV...``
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess

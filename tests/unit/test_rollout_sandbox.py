@@ -17,7 +17,12 @@ from services.episodes.tasks import build_task
 from services.rollouts.relay_client import Ended
 from services.rollouts.rollout import run_rollout
 from services.rollouts.sandbox import Bubblewrap
-from services.rollouts.settings import BwrapSandbox, HarnessSettings, RolloutSettings, TerminalRewards
+from services.rollouts.settings import (
+    BwrapSandbox,
+    HarnessSettings,
+    RolloutSettings,
+    TerminalRewards,
+)
 from tests.support.poll import eventually
 from tests.support.records import NOW, judged_trace, verdict_for
 
@@ -128,7 +133,7 @@ async def test_a_harness_past_its_timeout_is_killed_with_its_whole_group(tmp_pat
     assert run.verifier is None  # never reached
 
     def gone() -> bool:
-        return marker not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        return marker not in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
 
     await eventually(gone, timeout_s=10, what="every process of the sandbox killed")
 

@@ -26,11 +26,11 @@ SYSTEM_TEMPLATE = (
     "separated by ' > ', equally good providers joined by ' = ' (for example: {example}). "
     "Answer with that line only."
 )
-_QUERY = re.compile(r"^## Query\n\n(`{3,})text\n(.*?)\n\1$", re.S | re.M)
-_SECTION = re.compile(r"^## Providers\n(.*?)(?=^## )", re.S | re.M)
+_QUERY = re.compile(r"^## Query\n\n(`{3,})text\n(.*?)\n\1$", re.DOTALL | re.MULTILINE)
+_SECTION = re.compile(r"^## Providers\n(.*?)(?=^## )", re.DOTALL | re.MULTILINE)
 _ITEM = re.compile(r"^- (`+)(.+?)\1$")
 _ANSWER = re.compile(r"Write your answer to the file `([^`\n]+)`")
-_NOISE = re.compile(r"<think>.*?</think>|```[\w-]*", re.S | re.I)
+_NOISE = re.compile(r"<think>.*?</think>|```[\w-]*", re.DOTALL | re.IGNORECASE)
 
 
 def system_prompt(providers: list[str]) -> str:
@@ -62,7 +62,7 @@ def ordering_line(reply: str, providers: list[str]) -> str:
     the reply's first line as it is when it names no provider (the verifier scores that 0)."""
     canonical = {p.lower(): p for p in providers}
     pattern = re.compile(r"(?<![\w-])(" + "|".join(re.escape(n) for n in sorted(providers, key=len, reverse=True))
-                         + r")(?![\w-])", re.I)
+                         + r")(?![\w-])", re.IGNORECASE)
     body = _NOISE.sub("\n", reply)
     lines = [ln for ln in body.splitlines() if pattern.search(ln)]
     if not lines:
