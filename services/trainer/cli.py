@@ -10,14 +10,15 @@ from services.trainer.settings import add_arguments, settings_from_args
 DESCRIPTION = ("Fine-tune the student router with LoRA on the episode dataset: --kind sft trains on the "
                "recorded orderings, --kind opsd on the current adapter's own samples (drawn from the sampler "
                "at --sampler-url) pulled toward what it says given a hint. The dataset is read as of a time "
-               "from the episodes topic, or from --episodes-file; refuses judges without an open calibration "
+               "from the episodes topic, or from --episodes-file; --kind rl trains on the rollout runner's groups "
+               "(rollouts topic) of the replay tasks in --tasks-dir, publishing every step; refuses judges without an open calibration "
                "gate unless --allow-uncalibrated; at most one pass. Every flag also reads from "
                "FANROUTE_<NAME> (nested with __, e.g. FANROUTE_LORA__R).")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``train`` on a subparsers object (``fanroute train ...``)."""
-    p = sub.add_parser("train", help="fine-tune the student router (LoRA; run kinds sft, opsd)", description=DESCRIPTION)
+    p = sub.add_parser("train", help="fine-tune the student router (LoRA; run kinds sft, opsd, rl)", description=DESCRIPTION)
     add_arguments(p)
     return p
 
@@ -46,6 +47,10 @@ def run(args: argparse.Namespace) -> int:
             from services.trainer.opsd import train_opsd
 
             train_opsd(settings)
+        elif settings.run.type == "rl":
+            from services.trainer.rl import train_rl
+
+            train_rl(settings)
         else:
             train(settings)
     except (BusError, DivergedError, PublishError, SamplerError) as exc:

@@ -1,7 +1,7 @@
 """Trainer settings: ``FANROUTE_`` env vars (nested with ``__``) overridden by command-line flags.
 
-A run kind is a discriminated union on ``type`` (``sft`` and ``opsd``; ``rl`` joins the union
-later), so a config names what it trains and carries only that kind's knobs. Every
+A run kind is a discriminated union on ``type`` (``sft``, ``opsd`` and ``rl``), so a config names
+what it trains and carries only that kind's knobs. Every
 flag is generated from the fields here, so ``--help`` and validation can never drift apart.
 """
 
@@ -45,7 +45,19 @@ LOSS_NAMES = ("importance_sampling", "ppo", "cispo", "gspo", "dppo")
 HINT_FIELDS = ("query", "providers", "answer", "rewards", "reward")
 
 
-class OpsdRun(BaseModel):
+class PolicyLoss(BaseModel):
+    """The policy-gradient loss knobs OPSD and RL share."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    loss: Literal[LOSS_NAMES] = Field(default="importance_sampling",  # type: ignore[valid-type]
+                                      description="Policy-gradient loss (services/trainer/losses.py)")
+    clip_low: float | None = Field(default=None, gt=0, le=10,
+                                   description="Lower clip / trust-region bound of the loss (default: the loss's own)")
+    clip_high: float | None = Field(default=None, gt=0, le=10,
+                                    description="Upper clip / trust-region bound of the loss (default: the loss's own)")
+
+
+class OpsdRun(PolicyLoss):
     """On-policy self-distillation: the current adapter's samples, pulled toward what it says given a hint."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -68,12 +80,6 @@ class OpsdRun(BaseModel):
                             description="Orderings sampled per prompt and step (at least 2)")
     kl_penalty_coef: float = Field(default=1.0, gt=0, le=100,
                                    description="Scale of the per-token advantage -(log p_student - log q_teacher)")
-    loss: Literal[LOSS_NAMES] = Field(default="importance_sampling",  # type: ignore[valid-type]
-                                      description="Policy-gradient loss (services/trainer/losses.py)")
-    clip_low: float | None = Field(default=None, gt=0, le=10,
-                                   description="Lower clip / trust-region bound of the loss (default: the loss's own)")
-    clip_high: float | None = Field(default=None, gt=0, le=10,
-                                    description="Upper clip / trust-region bound of the loss (default: the loss's own)")
     temperature: float = Field(default=1.0, ge=0.05, le=2,
                                description="Sampling temperature (1 = the policy itself; the sampler reports raw "
                                            "logprobs, so another value samples off-policy)")
@@ -96,7 +102,28 @@ class OpsdRun(BaseModel):
         return self
 
 
-RUN_KINDS: tuple[type[BaseModel], ...] = (SftRun, OpsdRun)
+class RlRun(PolicyLoss):
+    """RL against the replay grader: groups from ``rollouts`` (the rollout runner's), stale ones requeued."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    type: Literal["rl"] = Field(default="rl", description="Run kind")
+    tasks_dir: Path | None = Field(default=None, description="Replay tasks (one directory per task, as `fanroute "
+                                                             "episodes` writes them) the run feeds to the runner")
+    contested_only: bool = Field(default=False, description="Only tasks tagged contested in task.toml")
+    max_tasks: int | None = Field(default=None, ge=1, le=1_000_000,
+                                  description="First N tasks (sorted by id) after filtering (default: all)")
+    groups_per_batch: int = Field(default=8, ge=1, le=4096, description="Finished groups one step takes")
+    max_steps_off_policy: int = Field(default=2, ge=0, le=1000,
+                                      description="Requeue groups more steps behind than this (0 = synchronous)")
+    batch_timeout_s: float = Field(default=1800.0, gt=0, le=86_400,
+                                   description="Give up when a batch's groups have not all come back in this time")
+    pack_multiple: int = Field(default=32, ge=1, le=8192,
+                               description="Token packing: rows padded to a multiple of this, so shapes repeat")
+    fixed_shape: bool = Field(default=False, description="Pad every batch to max_tokens and to the most rows any "
+                                                         "batch had so far (one shape for the whole run)")
+
+
+RUN_KINDS: tuple[type[BaseModel], ...] = (SftRun, OpsdRun, RlRun)
 
 
 def _run_type(value: Any) -> str:
@@ -106,7 +133,7 @@ def _run_type(value: Any) -> str:
     return getattr(value, "type", "sft")
 
 
-RunKind = Annotated[Annotated[SftRun, Tag("sft")] | Annotated[OpsdRun, Tag("opsd")],
+RunKind = Annotated[Annotated[SftRun, Tag("sft")] | Annotated[OpsdRun, Tag("opsd")] | Annotated[RlRun, Tag("rl")],
                     Discriminator(_run_type)]
 
 
