@@ -44,6 +44,7 @@ from services.trainer.evaluate import (
     score,
 )
 from services.trainer.opsd_data import PromptRow, build_rows
+from services.trainer.policy import completion_logprobs, padded, policy_step
 from services.trainer.sampler_client import Sample, SamplerClient
 from services.trainer.settings import OpsdRun, TrainerSettings
 from services.trainer.train import (
@@ -55,7 +56,6 @@ from services.trainer.train import (
     PublishError,
     RunResult,
     _from_kafka,
-    _plain_head,
     _print,
     _save_adapter,
     build_model,
@@ -152,49 +152,6 @@ class SamplerWeights:
 # ----------------------------------------------------------------------------- one step
 
 
-def completion_logprobs(model: Any, sequences: Sequence[Sequence[int]], prompt_lens: Sequence[int],
-                        pad_id: int) -> tuple[Any, Any, Any]:
-    """The trainer's logprob (with gradient) and entropy (detached) of each completion token, ``[B, C]``
-    arrays with their mask; the output layer runs only on completion positions."""
-    import torch
-
-    B, T = len(sequences), max(len(s) for s in sequences)
-    C = max(len(s) - p for s, p in zip(sequences, prompt_lens))
-    ids_BT = torch.full((B, T), pad_id, dtype=torch.long)
-    att_BT = torch.zeros((B, T), dtype=torch.long)
-    pos_BC = torch.zeros((B, C), dtype=torch.long)
-    mask_BC = torch.zeros((B, C), dtype=torch.float32)
-    for b, (seq, p) in enumerate(zip(sequences, prompt_lens)):
-        ids_BT[b, :len(seq)] = torch.tensor(list(seq))
-        att_BT[b, :len(seq)] = 1
-        n = len(seq) - p
-        pos_BC[b, :n] = torch.arange(p - 1, p - 1 + n)  # position t predicts token t + 1
-        mask_BC[b, :n] = 1
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if _plain_head(base):
-        hidden_BTD = base.get_decoder()(input_ids=ids_BT, attention_mask=att_BT, use_cache=False).last_hidden_state
-        picked_BCD = hidden_BTD.gather(1, pos_BC[..., None].expand(-1, -1, hidden_BTD.shape[-1]))
-        logits_BCV = base.get_output_embeddings()(picked_BCD).float()
-    else:
-        logits_BTV = model(input_ids=ids_BT, attention_mask=att_BT, use_cache=False).logits.float()
-        logits_BCV = logits_BTV.gather(1, pos_BC[..., None].expand(-1, -1, logits_BTV.shape[-1]))
-    logp_BCV = torch.log_softmax(logits_BCV, dim=-1)
-    targets_BC = ids_BT.gather(1, pos_BC + 1)
-    logprobs_BC = logp_BCV.gather(-1, targets_BC[..., None])[..., 0] * mask_BC
-    with torch.no_grad():
-        entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1) * mask_BC
-    return logprobs_BC, entropy_BC, mask_BC
-
-
-def _padded(rows: Sequence[Sequence[float]], C: int) -> Any:
-    import torch
-
-    out = torch.zeros((len(rows), C), dtype=torch.float32)
-    for b, r in enumerate(rows):
-        out[b, :len(r)] = torch.tensor(list(r), dtype=torch.float32)
-    return out
-
-
 def _seed(base: int, step: int, row: int, g: int) -> int:
     return (base * 1_000_003 + step * 10_007 + row * 101 + g) % (2**31 - 1)
 
@@ -202,10 +159,6 @@ def _seed(base: int, step: int, row: int, g: int) -> int:
 def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sampler: SamplerClient,
               served: str, rows: Sequence[PromptRow], step: int, pad_id: int) -> dict[str, Any]:
     """Sample, score with the hint, one policy-gradient step; the step's metrics (see the module docstring)."""
-    import torch
-
-    from services.trainer.losses import policy_loss
-
     run = s.run
     assert isinstance(run, OpsdRun)
     t0 = time.perf_counter()
@@ -223,34 +176,23 @@ def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sa
     model.eval()  # no dropout: the sampler computes without it, and the ratio must compare like with like
     trainer_lp_BC, entropy_BC, mask_BC = completion_logprobs(model, seqs, prompt_lens, pad_id)
     C = mask_BC.shape[1]
-    sampler_lp_BC, teacher_lp_BC = _padded([smp.logprobs for _, smp in samples], C), _padded(teacher, C)
+    sampler_lp_BC, teacher_lp_BC = padded([smp.logprobs for _, smp in samples], C), padded(teacher, C)
     reverse_kl_BC = (sampler_lp_BC - teacher_lp_BC) * mask_BC
     advantages_BC = -reverse_kl_BC * run.kl_penalty_coef
-    lr = scheduler.get_last_lr()[0]
-    result = policy_loss(run.loss, trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC,
-                         clip_low=run.clip_low, clip_high=run.clip_high)
-    result.loss.backward()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, s.max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    stepped = policy_step(model, optimizer, scheduler, run.loss, trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC,
+                          entropy_BC, clip_low=run.clip_low, clip_high=run.clip_high, max_grad_norm=s.max_grad_norm)
     t3 = time.perf_counter()
     n_tok = float(mask_BC.sum())
-    gap_BC = (sampler_lp_BC - trainer_lp_BC.detach()).abs() * mask_BC
     scored = [score(smp.text, row.grades) for row, smp in samples]
     trained_tokens = sum(len(x) for x in seqs)
-    return {
-        "loss": float(result.loss.detach()), "grad_norm": float(grad_norm), "lr": lr,
+    return stepped | {
         "kl": float(reverse_kl_BC.sum()) / n_tok, "kl_per_sequence": float(reverse_kl_BC.sum()) / len(samples),
-        "mismatch": float(gap_BC.sum()) / n_tok, "mismatch_max": float(gap_BC.max()),
-        "entropy": float(entropy_BC.sum()) / n_tok,
         "reward": sum(x[0] for x in scored) / len(scored), "top1": sum(x[1] for x in scored) / len(scored),
         "completion_tokens": n_tok / len(samples),
         "truncated_fraction": sum(smp.finish_reason == "length" for _, smp in samples) / len(samples),
         "samples": len(samples), "tokens": trained_tokens, "tokens_per_s": trained_tokens / (t3 - t2),
         "sample_tokens_per_s": n_tok / (t1 - t0), "sample_time_s": t1 - t0, "score_time_s": t2 - t1,
-        "train_time_s": t3 - t2, **{f"loss/{k}": v for k, v in result.metrics.items()},
+        "train_time_s": t3 - t2,
     }
 
 
