@@ -242,3 +242,28 @@ async def test_malformed_bodies_and_paths_on_every_route(relay):
     assert_refused(await client.post("/admin/v1/episodes/ep-1/end", json={"advantage": "x"}, headers=admin),
                    400, "invalid_request", "advantage")
     assert fake.state.hits == []
+
+
+async def test_a_sampler_that_does_not_answer_is_503_and_one_that_answers_nonsense_502(tiny):
+    from fastapi import FastAPI
+
+    from tests.support.serving import free_port
+
+    store = MemoryCredentialStore()
+    settings = relay_settings(tiny, sampler_url=f"http://127.0.0.1:{free_port()}", sampler_timeout_s=5)
+    async with relay_served(settings, credentials=store) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            auth = bearer(await store.mint("ep-1", 60))
+            assert_refused(await client.post("/tr/ep-1/v1/chat/completions", json=HELLO, headers=auth),
+                           503, "sampler_unavailable", "did not answer")
+            assert_refused(await client.get("/tr/ep-1/v1/models", headers=auth), 503, "sampler_unavailable")
+            r = await client.put("/tr/ep-1/v1/messages", headers=auth)
+            assert_refused(r, 405, "method_not_allowed")
+            assert r.headers["allow"] == "POST"
+    nonsense = FastAPI()
+    nonsense.get("/v1/models")(lambda: {"data": []})
+    store = MemoryCredentialStore()
+    async with relay_served(relay_settings(tiny), nonsense, credentials=store) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            r = await client.post("/tr/ep-1/v1/chat/completions", json=HELLO, headers=bearer(await store.mint("ep-1", 60)))
+            assert_refused(r, 502, "sampler_unusable", "no model")

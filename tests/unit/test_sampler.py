@@ -510,3 +510,5 @@ async def test_body_over_the_limit_is_413(tiny, tmp_path):
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
         r = await c.post("/v1/completions", json={"prompt": "x" * 2000})
     assert r.status_code == 413 and r.json()["error"] == "body_too_large" and r.json()["reason"]
+    # the same body as the sampler's other errors: vLLM's flat fields too
+    assert r.json()["message"] == r.json()["reason"] and r.json()["type"] == "RequestEntityTooLargeError"
