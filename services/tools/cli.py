@@ -59,6 +59,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--out", type=Path, default=Path("out/market"))
     m.set_defaults(func=_market)
 
+    rl = sub.add_parser("rl", help="the RL de-risking runs: preflight (non-model error rate), smoke, overfit")
+    rl.add_argument("recipe", choices=("preflight", "smoke", "overfit"))
+    rl.add_argument("--tasks-dir", type=Path, required=True, help="replay tasks (e.g. /tmp/demo-fed/tasks)")
+    rl.add_argument("--out", type=Path, default=None, help="output directory (default out/rl-<recipe>)")
+    for flag, kind, text in (("--steps", int, "optimizer steps"), ("--max-tasks", int, "tasks (preflight: all)"),
+                             ("--max-tokens", int, "the harness's fixed max_tokens"),
+                             ("--group-size", int, "rollouts per task"), ("--lr", float, "learning rate")):
+        rl.add_argument(flag, type=kind, default=None, help=f"{text} (default: the recipe's)")
+    rl.add_argument("--init-adapter", type=Path, default=None, help="start from this adapter (SFT or OPSD)")
+    rl.set_defaults(func=_rl)
+
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command (each parser names its handler)."""
@@ -68,6 +79,26 @@ def run(args: argparse.Namespace) -> int:
 def _stop_on_sigterm(signum, frame) -> None:
     """SIGTERM ends the demo like Ctrl-C does: the ``finally`` blocks stop its services and its stack."""
     raise SystemExit(128 + signum)
+
+
+def _rl(args: argparse.Namespace) -> int:
+    import json
+
+    from services.common.errors import FanrouteError
+    from services.tools.rl_recipes import main_async
+
+    out = args.out or Path("out") / f"rl-{args.recipe}"
+    try:
+        summary = asyncio.run(main_async(args.recipe, args.tasks_dir, out, steps=args.steps, max_tasks=args.max_tasks,
+                                         max_tokens=args.max_tokens, group_size=args.group_size, lr=args.lr,
+                                         init_adapter=args.init_adapter))
+    except FanrouteError as exc:
+        print(f"fanroute rl {args.recipe}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=2, default=str))
+    if args.recipe == "preflight" and summary["non_model_errors"]:
+        return 1
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -105,9 +105,13 @@ class Feeder:
     def claim(self, group: RolloutGroup) -> str | None:
         """The kind of the outstanding request this group answers (removing it), or None: not ours."""
         q = self.out.get(group.task_id)
-        if group.model_id != self.model_id or not q or group.started_at < q[0][0]:
+        if group.model_id != self.model_id or not q:
             return None
-        _, kind = q.popleft()
+        match = next((i for i, (at, _) in enumerate(q) if at <= group.started_at), None)
+        if match is None:
+            return None
+        _, kind = q[match]
+        del q[match]
         if not q:
             del self.out[group.task_id]
         return kind
