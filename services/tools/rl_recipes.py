@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -67,6 +68,8 @@ async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Pa
     purl, ns = f"http://127.0.0.1:{pport}", kafka.topic_namespace
     stop = asyncio.Event()
     async with contextlib.AsyncExitStack() as st:
+        # the sandbox's relay socket lives under work_dir, and AF_UNIX paths stop at 107 bytes: keep it short
+        sandboxes = Path(st.enter_context(tempfile.TemporaryDirectory(prefix="rl-", dir="/tmp")))
         await st.enter_async_context(served(publisher_app(PublisherSettings(
             kafka=kafka, redis=redis, port=pport, storage_dir=work / "store", public_url=purl)), pport,
             what="publisher", start_timeout_s=120))
@@ -80,7 +83,7 @@ async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Pa
         runner = RolloutSettings(kafka=kafka, redis=redis, relay_url=rurl, admin_token=ADMIN, model_id=model_id,
                                  group_size=recipe.group_size, max_parallel=recipe.max_parallel,
                                  groups_per_batch=recipe.groups_per_batch, max_steps_off_policy=0,
-                                 sandbox_timeout_s=300, command_timeout_s=240, work_dir=work,
+                                 sandbox_timeout_s=300, command_timeout_s=240, work_dir=sandboxes,
                                  harness={"max_tokens": recipe.max_tokens},
                                  group_id=f"rollouts-rl-{(ns or 'x').rstrip('.').lower()}-{uuid.uuid4().hex[:6]}")
         running = asyncio.create_task(worker.run(runner, stop))
