@@ -20,9 +20,8 @@ import hmac
 import json
 import math
 import re
-from typing import Any
-
 from collections.abc import Mapping
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
