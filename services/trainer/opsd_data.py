@@ -1,17 +1,18 @@
 """OPSD's prompt rows: each episode as the student's prompt, the teacher's hinted prompt and the grades.
 
 Why a module of its own: the student sees the conversation up to its last user turn (what the router
-sees when serving); the teacher sees the same conversation with a hint appended to its system turn,
+sees when serving); the teacher sees the same conversation with a hint leading its last user turn,
 built from the episode's recorded answer and reward values (``reward``) or from the user's rubric
 template (``custom``). Both are rendered with the base model's own chat template, so the sampled
 completion tokens follow either prompt the same way and only the completion positions are compared.
 
-Where and how the hint is written matters on a 135M model (measured on the demo's SFT adapter, six
-episodes): appended to the system turn the recorded answer gains 1.7 nats under the teacher, appended
-to the user turn 0.5; a hint that spells out the reward's long name (``ndcg:<judge>:<hash>``) makes
-the teacher want to keep writing after the ordering (the end-of-turn token loses 5 nats, so every
-sample's last token gets a large negative advantage and one step teaches the student not to stop),
-while the values alone cost it 0.3.
+Where and how the hint is written matters on a 135M model (measured on the demo's SFT adapter, its first six
+or ten episodes, log q_teacher - log p_student of the recorded answer / of its end-of-turn token): before the
+query in the user turn +1.8 / -0.03 nats; after the query +0.5 / -0.02; after the system turn +1.7 /
+-0.3; spelling out the reward's long name (``ndcg:<judge>:<hash>``) after the system turn +2.0 / -5.0,
+and with the end of turn that unlikely under the teacher every sample's last token gets a large
+negative advantage: one step taught the student not to stop. So the hint leads the user turn and
+carries the reward values only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from services.trainer.data import reward_of, token_ids
 from services.trainer.evaluate import GradesFor, tier_grades, tolerant_tiers
 from services.trainer.settings import OpsdRun
 
-REWARD_HINT = "For this query the judge's answer is: {answer} ({rewards})"
+REWARD_HINT = "Judge's answer ({rewards}): {answer}"
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,10 @@ def prompt_messages(ep: Episode) -> list[dict[str, str]]:
 
 
 def hinted_messages(ep: Episode, hint: str) -> list[dict[str, str]]:
-    """The student's messages with the hint on a line of its own after the system turn (one is added first
-    when the conversation has none)."""
+    """The student's messages with the hint leading the last user turn: ``<hint>\nQuery: <query>``."""
     msgs = prompt_messages(ep)
-    if msgs[0]["role"] != "system":
-        return [{"role": "system", "content": hint}, *msgs]
-    return [{"role": "system", "content": f"{msgs[0]['content']}\n{hint}"}, *msgs[1:]]
+    msgs[-1] = {"role": "user", "content": f"{hint}\nQuery: {msgs[-1]['content']}"}
+    return msgs
 
 
 def grades_of(ep: Episode, grades_for: GradesFor | None) -> dict[str, float]:

@@ -29,13 +29,13 @@ def open_gate(key, providers):
 def test_reward_and_custom_hints():
     ep = episode(1, answer="beta > alpha > gamma", reward=0.75)
     hint = hint_for(ep, OpsdRun())
-    assert hint == "For this query the judge's answer is: beta > alpha > gamma (reward 0.75)"
+    assert hint == "Judge's answer (reward 0.75): beta > alpha > gamma"
     assert JUDGE not in hint  # a long reward name makes the teacher want to keep writing (opsd_data.py)
     custom = OpsdRun(hint_mode="custom", hint_template="Best for {query}: {answer} ({reward:.1f}; {providers})")
     assert hint_for(ep, custom) == f"Best for {ep.messages[1].content}: beta > alpha > gamma (0.8; alpha, beta, gamma)"
     msgs = hinted_messages(ep, "HINT")
-    assert [m["role"] for m in msgs] == ["system", "user"] and msgs[0]["content"].endswith(".\nHINT")
-    assert msgs[1]["content"] == ep.messages[1].content
+    assert [m["role"] for m in msgs] == ["system", "user"] and msgs[0]["content"] == ep.messages[0].content
+    assert msgs[1]["content"] == f"HINT\nQuery: {ep.messages[1].content}"
 
 
 @pytest.mark.parametrize(("flags", "says"), [
