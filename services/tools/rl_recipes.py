@@ -172,7 +172,32 @@ async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, task
     summary |= {"recipe": name, "model_id": model_id, "stack_start_s": t_up, "wall_time_s": time.perf_counter() - t0,
                 "sizes": r.__dict__}
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
+    if summary.get("steps"):
+        plot_steps(summary, out_dir / f"{name}.png")
     return summary
+
+
+def plot_steps(summary: dict[str, Any], path: Path) -> Path:
+    """The training reward per step (mean and median over the batch's rollouts) and the train–inference
+    mismatch, the two curves an overfitting run is read by."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s for s in summary["steps"] if "reward/mean" in s]
+    x = [s["step"] for s in steps]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax.plot(x, [s["reward/mean"] for s in steps], "o-", label="mean")
+    ax.plot(x, [s.get("reward/p50") for s in steps], "s--", label="median")
+    ax.set(xlabel="step", ylabel="reward (rollouts of the step)", title=f"{summary.get('recipe')}: training reward")
+    ax.legend()
+    bx.semilogy(x, [max(s["mismatch"], 1e-12) for s in steps], "o-")
+    bx.set(xlabel="step", ylabel="mean |sampler − trainer| logprob", title="train–inference mismatch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 STEP_KEYS = ("step", "reward/mean", "reward/p50", "reward/std", "uniform_groups", "groups", "requeues", "lag_mean",

@@ -113,3 +113,12 @@ def test_reward_figures():
                                 version=1)])
     assert stats["reward/mean"] == 0.5 and stats["reward/min"] == 0.0 and stats["reward/max"] == 1.0
     assert stats["reward/zero_share"] == 0.25 and math.isclose(stats["reward/std"], math.sqrt(0.125))
+
+
+def test_a_recipe_summary_plots_its_reward_and_mismatch(tmp_path):
+    from services.tools.rl_recipes import plot_steps
+
+    summary = {"recipe": "overfit", "steps": [
+        {"step": i, "reward/mean": r, "reward/p50": r, "mismatch": 1e-6} for i, r in enumerate((0.7, 0.8, 0.9), 1)]}
+    path = plot_steps(summary, tmp_path / "overfit.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
