@@ -319,8 +319,9 @@ def test_run_kind_is_a_discriminated_union() -> None:
     from pydantic import ValidationError
 
     assert TrainerSettings(run={"reward_min": 0.1}).run.type == "sft"
-    with pytest.raises(ValidationError, match="rl"):
-        TrainerSettings(run={"type": "rl"})
+    assert {TrainerSettings(run={"type": kind}).run.type for kind in ("sft", "opsd", "rl")} == {"sft", "opsd", "rl"}
+    with pytest.raises(ValidationError, match="dpo"):
+        TrainerSettings(run={"type": "dpo"})  # not a run kind
     with pytest.raises(ValidationError, match="reward_min"):
         TrainerSettings(run={"reward_min": 0.9, "reward_max": 0.1})
 
