@@ -64,7 +64,7 @@ TOPICS: dict[str, TopicSpec] = {
                   consumers=("trainer", "episodes CLI", "episodes", "demo")),
         TopicSpec("tasks", Task, "task_id", partitions=3,
                   description="A replay task built from a judged trace (Harbor task layout).",
-                  producers=("episodes",),
+                  producers=("episodes", "trainer", "rl recipes"),
                   consumers=("episodes CLI", "demo", "rollouts")),
         TopicSpec("adapters", AdapterPublished, "model_id", partitions=1,
                   description="A published or promoted router adapter version.",
@@ -87,7 +87,7 @@ TOPICS: dict[str, TopicSpec] = {
                   description="A group of rollouts of one replay task under one adapter version: each rollout's "
                               "harness output, relay calls, reward and datums (advantage = reward - group mean).",
                   producers=("rollouts",),
-                  planned_consumers=("trainer (rl run kind, not yet built)",)),
+                  consumers=("trainer", "rl recipes")),
     )
 }
 

@@ -40,6 +40,7 @@ SERVICE_OF = {
     "services/evaluate/": "evaluate",
     "services/tools/demo.py": "demo",
     "services/tools/demo_loop.py": "demo",
+    "services/tools/rl_recipes.py": "rl recipes",
     "services/tools/traces.py": "traces CLI",
 }
 #: modules outside services/common whose topic reads/writes are done on behalf of their importers too
