@@ -42,6 +42,18 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def resumable(output_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None: a fresh start); refuses a resume with nothing to resume and a
+    fresh start over someone's checkpoints, so a run never silently continues or clobbers another."""
+    latest = latest_checkpoint(output_dir)
+    if resume and latest is None:
+        raise ConfigError(f"resume asked but {output_dir} has no checkpoint")
+    if not resume and latest is not None:
+        raise ConfigError(f"{output_dir} already holds checkpoints ({latest.name}); pass --resume or use another "
+                          "output_dir")
+    return latest
+
+
 def rng_state() -> dict[str, Any]:
     """Python's and torch's RNG states."""
     import torch

@@ -220,12 +220,7 @@ def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None 
         out(f"dry run: {plan.one_pass_line() if plan.batches else 'tokens not counted'}; nothing trained")
         return RunResult(False, 0, output_dir, plan)
     publisher = publisher if publisher is not None else publisher_for(s)
-    latest = ckpt.latest_checkpoint(output_dir)
-    if s.resume and latest is None:
-        raise ConfigError(f"resume asked but {output_dir} has no checkpoint")
-    if not s.resume and latest is not None:
-        raise ConfigError(f"{output_dir} already holds checkpoints ({latest.name}); pass --resume or use another "
-                          "output_dir")
+    latest = ckpt.resumable(output_dir, s.resume)
     output_dir.mkdir(parents=True, exist_ok=True)
     eval_set = eval_items(plan.tokenizer, plan.eval_episodes, grades)
 

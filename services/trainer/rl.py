@@ -214,12 +214,7 @@ async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | N
     publisher = publisher if publisher is not None else publisher_for(s)
     if publisher is None:
         raise ConfigError("run kind rl publishes after every step so the sampler serves it: set publisher_url")
-    latest = ckpt.latest_checkpoint(output_dir)
-    if s.resume and latest is None:
-        raise ConfigError(f"resume asked but {output_dir} has no checkpoint")
-    if not s.resume and latest is not None:
-        raise ConfigError(f"{output_dir} already holds checkpoints ({latest.name}); pass --resume or use another "
-                          "output_dir")
+    latest = ckpt.resumable(output_dir, s.resume)
     output_dir.mkdir(parents=True, exist_ok=True)
     import torch
     from transformers import AutoTokenizer
