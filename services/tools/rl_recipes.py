@@ -192,7 +192,8 @@ def plot_steps(summary: dict[str, Any], path: Path) -> Path:
     ax.plot(x, [s.get("reward/p50") for s in steps], "s--", label="median")
     ax.set(xlabel="step", ylabel="reward (rollouts of the step)", title=f"{summary.get('recipe')}: training reward")
     ax.legend()
-    bx.semilogy(x, [max(s["mismatch"], 1e-12) for s in steps], "o-")
+    trained = [s for s in steps if s.get("mismatch") is not None]  # a batch of uniform groups trains nothing
+    bx.semilogy([s["step"] for s in trained], [max(s["mismatch"], 1e-12) for s in trained], "o-")
     bx.set(xlabel="step", ylabel="mean |sampler − trainer| logprob", title="train–inference mismatch")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

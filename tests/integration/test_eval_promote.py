@@ -112,11 +112,12 @@ async def test_eval_then_promote(kafka_bootstrap, redis_url, tmp_path, monkeypat
         assert "REFUSED router@2" in printed.out and "does not beat" in printed.out
         decision = json.loads((out / "decision.json").read_text())
         assert decision["decision"] == "refuse" and decision["reasons"]
+        assert "reliability" in decision["decided_by"]  # its answers were mostly the fallback provider's
         assert parse_promoted(await r.get(promoted_key(ns, "router"))) == (1, "cheap")
 
-        # An eval in which the candidate beats both baselines on both measures: promoted.
+        # An eval in which the candidate decides and beats both baselines on both measures: promoted.
         better = report.model_copy(update={"policies": {**report.policies, "candidate": cand.model_copy(update={
-            "human": cand.human.model_copy(update={"mean": 0.99}),
+            "fallbacks": {}, "human": cand.human.model_copy(update={"mean": 0.99}),
             "judge": cand.judge.model_copy(update={"mean": 2.99})})}})
         good_eval = write_json(better, tmp_path / "eval-better")
         code = await asyncio.to_thread(main, ["promote", "--candidate", "router@2", "--publisher-url", purl,

@@ -119,6 +119,7 @@ def test_a_recipe_summary_plots_its_reward_and_mismatch(tmp_path):
     from services.tools.rl_recipes import plot_steps
 
     summary = {"recipe": "overfit", "steps": [
-        {"step": i, "reward/mean": r, "reward/p50": r, "mismatch": 1e-6} for i, r in enumerate((0.7, 0.8, 0.9), 1)]}
+        {"step": i, "reward/mean": r, "reward/p50": r, "mismatch": 1e-6} for i, r in enumerate((0.7, 0.8, 0.9), 1)]
+        + [{"step": 4, "reward/mean": 0.9, "reward/p50": 0.9, "skipped": True}]}  # uniform: no mismatch
     path = plot_steps(summary, tmp_path / "overfit.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
