@@ -42,6 +42,12 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def due(every: int, step: int, last: int) -> bool:
+    """Whether a periodic action (checkpoint, eval) runs after ``step``: every ``every`` steps (0 = never),
+    but not after the last step, whose save and eval every run does anyway."""
+    return bool(every) and step % every == 0 and step < last
+
+
 def resumable(output_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to resume from (None: a fresh start); refuses a resume with nothing to resume and a
     fresh start over someone's checkpoints, so a run never silently continues or clobbers another."""

@@ -285,9 +285,9 @@ def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None 
             f"reward {rec['reward']:.3f} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
             f"tok/s {rec['tokens_per_s']:.0f} sampled v{sampled} -> v{version} (staleness {rec['staleness']}) "
             f"({rec['step_time_s']:.1f}s, {rec['epoch']:.2f} of a pass)")
-        if s.checkpoint_every and step % s.checkpoint_every == 0 and step < plan.steps:
+        if ckpt.due(s.checkpoint_every, step, plan.steps):
             save(step)
-        if s.eval_every and step % s.eval_every == 0 and step < plan.steps:
+        if ckpt.due(s.eval_every, step, plan.steps):
             run_eval(step)
     if start < plan.steps:
         save(plan.steps)

@@ -292,10 +292,10 @@ async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | N
                 f"{rec['uniform_groups']}/{len(groups)}) lag {rec['lag_mean']:.1f}/{rec['lag_max']:.0f} requeues "
                 f"{requeued} mismatch {rec['mismatch']:.2e} entropy {rec['entropy']:.3f} grad_norm "
                 f"{rec['grad_norm']:.3f} -> v{version} (wait {rec['wait_time_s']:.1f}s, train {rec['train_time_s']:.1f}s)")
-            if s.checkpoint_every and step % s.checkpoint_every == 0 and step < s.max_steps:
+            if ckpt.due(s.checkpoint_every, step, s.max_steps):
                 ckpt.save_checkpoint(output_dir, model, optimizer, scheduler, ckpt.Progress(
                     step, [[loop.feeder.cursor, loop.requeues_total]], fingerprint), s.keep_checkpoints)
-            if s.eval_every and step % s.eval_every == 0 and step < s.max_steps:
+            if ckpt.due(s.eval_every, step, s.max_steps):
                 await run_eval(step)
         ckpt.save_checkpoint(output_dir, model, optimizer, scheduler, ckpt.Progress(
             s.max_steps, [[loop.feeder.cursor, loop.requeues_total]], fingerprint), s.keep_checkpoints)

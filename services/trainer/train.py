@@ -405,9 +405,9 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
         if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
             raise DivergedError(f"step {step}: loss {rec['loss']} / grad norm {rec['grad_norm']} is not finite; "
                                 f"stopped without saving or publishing (metrics in {output_dir / 'metrics.jsonl'})")
-        if s.checkpoint_every and step % s.checkpoint_every == 0 and step < plan.steps:
+        if ckpt.due(s.checkpoint_every, step, plan.steps):
             save(step)
-        if s.eval_every and step % s.eval_every == 0 and step < plan.steps:
+        if ckpt.due(s.eval_every, step, plan.steps):
             run_eval(step)
     if start < plan.steps:
         save(plan.steps)
