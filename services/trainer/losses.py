@@ -21,7 +21,9 @@ minimise and detached metrics. The importance ratio is ``r = exp(logprobs - samp
   (DPPO-Binary-TV, arXiv 2602.04879, as prime-rl's default loss).
 
 Aggregation: token mean over the batch (sum of terms / number of masked tokens) unless
-``normalizer`` is given (``normalizer=1`` is Tinker's sum); GSPO is sequence-mean of token-means.
+``normalizer`` is given (``normalizer=1`` is Tinker's sum); GSPO is sequence-mean of token-means (its
+``normalizer`` counts sequences). A micro-batch passes the whole batch's count, so the gradients of its
+micro-batches add up to the batch's.
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def cispo_loss(logprobs_BT: Any, sampler_logprobs_BT: Any, advantages_BT: Any, m
 
 
 def gspo_loss(logprobs_BT: Any, sampler_logprobs_BT: Any, advantages_BT: Any, mask_BT: Any, *,
-              clip_low: float = 3e-4, clip_high: float = 4e-4) -> LossResult:
+              clip_low: float = 3e-4, clip_high: float = 4e-4, normalizer: float | None = None) -> LossResult:
     """PPO's clipped objective on the length-normalised sequence ratio (token-level form, seq-mean-token-mean)."""
     import torch
 
@@ -137,7 +139,7 @@ def gspo_loss(logprobs_BT: Any, sampler_logprobs_BT: Any, advantages_BT: Any, ma
     terms_BT = torch.maximum(plain_BT, clipped_BT)
     has_B = (mask_BT.sum(-1) > 0).to(mask_BT.dtype)
     per_seq_B = (terms_BT * mask_BT).sum(-1) / lengths_B
-    loss = (per_seq_B * has_B).sum() / has_B.sum().clamp(min=1.0)
+    loss = (per_seq_B * has_B).sum() / (normalizer if normalizer is not None else has_B.sum().clamp(min=1.0))
     metrics = _common(log_ratio_BT, ratio_BT, mask_BT)
     metrics["clip_fraction"] = _masked_mean((clipped_BT > plain_BT).float(), mask_BT)
     metrics["seq_ratio_mean"] = float((torch.exp(log_seq_ratio_B.detach()) * has_B).sum() / has_B.sum().clamp(min=1.0))
@@ -174,12 +176,13 @@ CLIPPED = {"ppo", "cispo", "gspo", "dppo"}
 
 
 def policy_loss(name: str, logprobs_BT: Any, sampler_logprobs_BT: Any, advantages_BT: Any, mask_BT: Any, *,
-                clip_low: float | None = None, clip_high: float | None = None) -> LossResult:
+                clip_low: float | None = None, clip_high: float | None = None,
+                normalizer: float | None = None) -> LossResult:
     """The named loss, with clip bounds where given (None keeps the loss's own default)."""
     fn = LOSSES.get(name)
     if fn is None:
         raise ConfigError(f"unknown loss {name!r}; choose one of {', '.join(sorted(LOSSES))}")
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {} if normalizer is None else {"normalizer": normalizer}
     if name in CLIPPED:
         if clip_low is not None:
             kw["clip_low"] = clip_low

@@ -64,22 +64,55 @@ def policy_step(model: Any, optimizer: Any, scheduler: Any, loss_name: str, trai
                 clip_high: float | None, max_grad_norm: float) -> dict[str, float]:
     """One step of the named loss on per-token arrays (``mask_BC`` = the positions that count); the loss, grad
     norm, LR, mismatch (mean |sampler - trainer| logprob), its max, entropy and the loss's own figures."""
-    import torch
+    acc = Accumulator(loss_name, float(mask_BC.sum()), float((mask_BC.sum(-1) > 0).sum()),
+                      clip_low=clip_low, clip_high=clip_high)
+    acc.add(trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC, entropy_BC)
+    return acc.step(model, optimizer, scheduler, max_grad_norm)
 
-    from services.trainer.losses import policy_loss
 
-    lr = scheduler.get_last_lr()[0]
-    result = policy_loss(loss_name, trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC,
-                         clip_low=clip_low, clip_high=clip_high)
-    result.loss.backward()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    n_tok = max(float(mask_BC.sum()), 1.0)
-    gap_BC = (sampler_lp_BC - trainer_lp_BC.detach()).abs() * mask_BC
-    return {"loss": float(result.loss.detach()), "grad_norm": float(grad_norm), "lr": lr,
-            "mismatch": float(gap_BC.sum()) / n_tok, "mismatch_max": float(gap_BC.max()),
-            "entropy": float((entropy_BC * mask_BC).sum()) / n_tok,
-            **{f"loss/{k}": v for k, v in result.metrics.items()}}
+class Accumulator:
+    """Gradient accumulation over micro-batches of one batch, then one optimizer step.
+
+    Why: a batch of hundreds of rows does not fit a forward pass with gradients in memory; each micro-batch's
+    loss is divided by the whole batch's token count (sequence count for GSPO), so the summed gradients equal
+    the one-pass batch's exactly, and the figures are the batch's, weighted by tokens.
+    """
+
+    def __init__(self, loss_name: str, tokens: float, sequences: float, *, clip_low: float | None,
+                 clip_high: float | None) -> None:
+        self.loss_name, self.clip_low, self.clip_high = loss_name, clip_low, clip_high
+        self.tokens = max(tokens, 1.0)
+        self.normalizer = max(sequences, 1.0) if loss_name == "gspo" else self.tokens
+        self.loss = self.gap = self.entropy = 0.0
+        self.gap_max = 0.0
+        self.metrics: dict[str, float] = {}
+
+    def add(self, trainer_lp_BC: Any, sampler_lp_BC: Any, advantages_BC: Any, mask_BC: Any, entropy_BC: Any) -> None:
+        """Backward of one micro-batch's share of the batch loss; its figures added to the batch's."""
+        from services.trainer.losses import policy_loss
+
+        result = policy_loss(self.loss_name, trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC,
+                             clip_low=self.clip_low, clip_high=self.clip_high, normalizer=self.normalizer)
+        result.loss.backward()
+        share = float(mask_BC.sum()) / self.tokens
+        gap_BC = (sampler_lp_BC - trainer_lp_BC.detach()).abs() * mask_BC
+        self.loss += float(result.loss.detach())
+        self.gap += float(gap_BC.sum())
+        self.gap_max = max(self.gap_max, float(gap_BC.max()))
+        self.entropy += float((entropy_BC * mask_BC).sum())
+        for k, v in result.metrics.items():
+            self.metrics[k] = self.metrics.get(k, 0.0) + v * share
+
+    def step(self, model: Any, optimizer: Any, scheduler: Any, max_grad_norm: float) -> dict[str, float]:
+        """Clip, one AdamW step, zero the gradients; the batch's figures."""
+        import torch
+
+        lr = scheduler.get_last_lr()[0]
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": self.loss, "grad_norm": float(grad_norm), "lr": lr, "mismatch": self.gap / self.tokens,
+                "mismatch_max": self.gap_max, "entropy": self.entropy / self.tokens,
+                **{f"loss/{k}": v for k, v in self.metrics.items()}}

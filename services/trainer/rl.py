@@ -31,7 +31,7 @@ from services.common.errors import BusError, ConfigError
 from services.models.prepare import resolve_base
 from services.trainer import checkpoint as ckpt
 from services.trainer.opsd import SamplerWeights
-from services.trainer.policy import completion_logprobs, padded, policy_step
+from services.trainer.policy import Accumulator, completion_logprobs, padded
 from services.trainer.rl_data import (
     Feeder,
     bucket,
@@ -87,6 +87,7 @@ def plan_rl(s: TrainerSettings, tasks: Sequence[Task] | None) -> Plan:
 def _fingerprint(s: TrainerSettings, tasks: Sequence[Task]) -> dict[str, Any]:
     keep = s.fingerprint_fields()
     keep["run"].pop("batch_timeout_s", None)
+    keep["run"].pop("micro_batch_rows", None)  # memory, not maths: a resume may change it
     data = hashlib.sha256("\n".join(t.task_id for t in tasks).encode()).hexdigest()[:24]
     return json.loads(json.dumps(keep | {"data": data}))
 
@@ -192,14 +193,21 @@ class RlLoop:
                 seqs.append(seqs[0]), starts.append(starts[0])
                 weights.append([0.0]), lps.append([0.0]), advs.append([0.0])
         model.eval()  # no dropout: the sampler computes without it, and the ratio must compare like with like
-        trainer_lp_BC, entropy_BC, span_BC = completion_logprobs(model, seqs, starts, pad_id, length=T, width=C)
-        mask_BC = padded(weights, C) * span_BC
-        stepped = policy_step(model, optimizer, scheduler, run.loss, trainer_lp_BC, padded(lps, C) * mask_BC,
-                              padded(advs, C) * mask_BC, mask_BC, entropy_BC, clip_low=run.clip_low,
-                              clip_high=run.clip_high, max_grad_norm=s.max_grad_norm)
+        spans = [min(len(x) - p, C) for x, p in zip(seqs, starts)]
+        tokens = sum(float(sum(w[:n])) for w, n in zip(weights, spans))
+        acc = Accumulator(run.loss, tokens, float(sum(any(w[:n]) for w, n in zip(weights, spans))),
+                          clip_low=run.clip_low, clip_high=run.clip_high)
+        M = run.micro_batch_rows
+        for i in range(0, len(seqs), M):  # gradients accumulate; one optimizer step below
+            trainer_lp_BC, entropy_BC, span_BC = completion_logprobs(model, seqs[i:i + M], starts[i:i + M], pad_id,
+                                                                     length=T, width=C)
+            mask_BC = padded(weights[i:i + M], C) * span_BC
+            acc.add(trainer_lp_BC, padded(lps[i:i + M], C) * mask_BC, padded(advs[i:i + M], C) * mask_BC, mask_BC,
+                    entropy_BC)
+        stepped = acc.step(model, optimizer, scheduler, s.max_grad_norm)
         return stepped | {"rows": len(rows.sequences), "shape": [len(seqs), T, C], "tokens": rows.tokens,
-                          "sampled_tokens": float(mask_BC.sum()), "truncated_rows": rows.truncated,
-                          "dropped_datums": rows.dropped}
+                          "sampled_tokens": tokens, "micro_batches": -(-len(seqs) // M),
+                          "truncated_rows": rows.truncated, "dropped_datums": rows.dropped}
 
 
 async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | None = None,

@@ -217,3 +217,24 @@ def test_gspo_gradient_is_the_sequence_ratio_gradient(tiny):
     analytic, numeric, _ = _directional(model, ids_BT, f)
     assert analytic != 0.0
     assert analytic == pytest.approx(numeric, rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_micro_batches_add_up_to_the_one_pass_gradient(tiny, name):
+    from services.trainer.policy import Accumulator
+
+    model, ids_BT, mask_BT = tiny
+    lp0, sampler_BT, adv_BT = _setting(model, ids_BT, mask_BT)
+    entropy_BT = torch.zeros_like(mask_BT)
+    grads, figures = [], []
+    for chunks in ([slice(0, 3)], [slice(0, 1), slice(1, 3)], [slice(0, 2), slice(2, 3)]):
+        model.zero_grad()
+        acc = Accumulator(name, float(mask_BT.sum()), 3.0, clip_low=None, clip_high=None)
+        for c in chunks:
+            acc.add(_logprobs(model, ids_BT[c]), sampler_BT[c], adv_BT[c], mask_BT[c], entropy_BT[c])
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        figures.append((acc.loss, acc.gap / acc.tokens))
+    assert float(grads[0].abs().max()) > 0
+    for g, f in zip(grads[1:], figures[1:]):
+        assert torch.allclose(g, grads[0], rtol=1e-9, atol=1e-12)
+        assert f == pytest.approx(figures[0], rel=1e-9)
