@@ -6,7 +6,9 @@ on one Kafka and Redis; these recipes start them with the sizes the guide names 
 
 - ``preflight``: every task once with the untrained policy (no training); the non-model error rate
   (sandbox failures, grader crashes, harness timeouts and crashes) must be 0;
-- ``smoke``: one task, a group of two, one step, synchronous; its wall time;
+- ``smoke``: one task, a group of two, one step, synchronous; its wall time. A uniform group (both rollouts
+  scored alike) is rolled out again up to 4 times, so the one step has something to train on; the base
+  model without an adapter never writes an ordering (every group scores 0): start it from an SFT adapter;
 - ``overfit``: 32 contested tasks, group size 8, synchronous, every step an epoch; training reward per step.
 """
 
@@ -45,9 +47,10 @@ class Recipe:
     max_tokens: int = 48
     lr: float = 5e-4
     max_parallel: int = 4
+    resample_uniform: int = 0
 
 
-RECIPES = {"smoke": Recipe(tasks=1, group_size=2, groups_per_batch=1, steps=1),
+RECIPES = {"smoke": Recipe(tasks=1, group_size=2, groups_per_batch=1, steps=1, resample_uniform=4),
            "overfit": Recipe(tasks=32, group_size=8, groups_per_batch=32, steps=3, max_tokens=24),
            "preflight": Recipe(tasks=0, group_size=1, groups_per_batch=1, steps=0)}
 
@@ -144,7 +147,7 @@ async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, task
     r = Recipe(tasks=max_tasks or r.tasks, group_size=group_size or r.group_size,
                groups_per_batch=(max_tasks or r.groups_per_batch) if name == "overfit" else r.groups_per_batch,
                steps=steps or r.steps, max_tokens=max_tokens or r.max_tokens, lr=lr or r.lr,
-               max_parallel=r.max_parallel)
+               max_parallel=r.max_parallel, resample_uniform=r.resample_uniform)
     base = resolve_base(base_model or DEFAULT_BASE, prepare=True)
     tasks = load_tasks(tasks_dir, contested_only=name == "overfit", limit=r.tasks or None)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +165,7 @@ async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, task
                 checkpoint_every=0, publisher_url=purl, model_id=model_id, lora={"dropout": 0.0},
                 init_adapter=init_adapter,
                 run={"type": "rl", "groups_per_batch": r.groups_per_batch, "max_steps_off_policy": 0,
-                     "batch_timeout_s": 3600})
+                     "batch_timeout_s": 3600, "resample_uniform": r.resample_uniform})
             t1 = time.perf_counter()
             result = await train_rl_async(settings, tasks=tasks, out=print_)
             steps_ = [json.loads(x) for x in (out_dir / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -201,9 +204,9 @@ def plot_steps(summary: dict[str, Any], path: Path) -> Path:
     return path
 
 
-STEP_KEYS = ("step", "reward/mean", "reward/p50", "reward/std", "uniform_groups", "groups", "requeues", "lag_mean",
-             "lag_max", "mismatch", "entropy", "grad_norm", "loss", "rows", "shape", "trained_version",
-             "wait_time_s", "train_time_s", "step_time_s", "skipped")
+STEP_KEYS = ("step", "reward/mean", "reward/p50", "reward/std", "uniform_groups", "uniform_resampled", "groups",
+             "requeues", "lag_mean", "lag_max", "mismatch", "entropy", "grad_norm", "loss", "rows", "shape",
+             "micro_batches", "trained_version", "wait_time_s", "train_time_s", "step_time_s", "skipped")
 
 
 async def main_async(name: str, tasks_dir: Path, out_dir: Path, **kw: Any) -> dict[str, Any]:

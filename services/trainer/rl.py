@@ -7,7 +7,9 @@ takes the first ``groups_per_batch`` fresh groups, requeues stale ones (more tha
 datums (the relay's tokens, the sampler's logprobs, advantage = reward - group mean), runs one step of
 the chosen loss (:mod:`services.trainer.policy`) and publishes the adapter, so the runner's next groups
 are stamped with it. ``(max_steps_off_policy + 1) x groups_per_batch`` tasks are kept in flight;
-``max_steps_off_policy: 0`` is the synchronous loop. ``test/`` rolls out the held-out tasks once each.
+``max_steps_off_policy: 0`` is the synchronous loop. With ``resample_uniform: N`` up to N uniform groups
+a step are set aside (counted) and their tasks rolled out again (DAPO's dynamic sampling), so the batch
+fills with groups that have something to learn. ``test/`` rolls out the held-out tasks once each.
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ class RlLoop:
         self.bus = Bus(s.kafka, client_id="fanroute-trainer-rl")
         self.publisher = publisher
         self.step_of: dict[int, int] = {}
-        self.requeues_total = self.foreign = 0
+        self.requeues_total = self.foreign = self.resampled = 0
         self.rows_max = 0
 
     async def on_group(self, group: RolloutGroup) -> None:
@@ -143,7 +145,7 @@ class RlLoop:
         """The first ``groups_per_batch`` fresh groups for the weights after ``step - 1`` steps; requeues the stale."""
         deadline = time.monotonic() + self.run.batch_timeout_s
         taken: list[RolloutGroup] = []
-        requeued, lags = 0, []
+        requeued, lags, self.resampled = 0, [], 0
         while len(taken) < self.run.groups_per_batch:
             await self.top_up(len(taken))
             group, kind = await self.next_group(deadline, f"step {step}")
@@ -154,6 +156,12 @@ class RlLoop:
                 await self.send(self.feeder.by_id[group.task_id])
                 self.out(f"step {step}: requeued group {group.group_id} of task {group.task_id[:12]} "
                          f"(v{group.adapter_version}, {steps_behind(group, step - 1, self.step_of)} steps behind)")
+                continue
+            if group.uniform and self.resampled < self.run.resample_uniform:  # dynamic sampling (DAPO)
+                self.resampled += 1
+                await self.send(self.feeder.by_id[group.task_id])
+                self.out(f"step {step}: uniform group {group.group_id} of task {group.task_id[:12]} "
+                         f"(reward {group.rollouts[0].reward:.3f}); its task is rolled out again")
                 continue
             lags.append(steps_behind(group, step - 1, self.step_of))
             taken.append(group)
@@ -275,6 +283,7 @@ async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | N
             rec: dict[str, Any] = reward_stats(groups) | {
                 "step": step, "groups": len(groups), "uniform_groups": sum(g.uniform for g in groups),
                 "requeues": requeued, "requeues_total": loop.requeues_total, "foreign_groups": loop.foreign,
+                "uniform_resampled": loop.resampled,
                 "lag_mean": sum(lags) / len(lags), "lag_max": max(lags),
                 "sampled_versions": sorted({g.adapter_version for g in groups}), "wait_time_s": t1 - t0}
             stepped = await asyncio.to_thread(loop.train_step, model, optimizer, scheduler, groups, pad_id)

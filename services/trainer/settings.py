@@ -121,6 +121,9 @@ class RlRun(PolicyLoss):
                                description="Token packing: rows padded to a multiple of this, so shapes repeat")
     fixed_shape: bool = Field(default=False, description="Pad every batch to max_tokens and to the most rows any "
                                                          "batch had so far (one shape for the whole run)")
+    resample_uniform: int = Field(default=0, ge=0, le=100_000,
+                                  description="Dynamic sampling (DAPO): up to this many uniform groups a step are "
+                                              "set aside and their tasks rolled out again (0: they fill the batch)")
     micro_batch_rows: int = Field(default=32, ge=1, le=4096,
                                   description="Rows per forward/backward pass; a batch's micro-batches accumulate "
                                               "gradients into one optimizer step (bounds memory, not the maths)")
