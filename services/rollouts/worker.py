@@ -1,12 +1,16 @@
 """The rollout runner: ``tasks`` (and ``adapters``) → groups of sandboxed rollouts → ``rollouts``.
 
 Each task record starts one group (a task republished, e.g. by the trainer requeueing a stale group, runs
-again: groups have their own ids, tasks are not deduplicated). The handler only queues the task (bounded
-by ``max_queued_tasks``), so a long group never holds the consumer past Kafka's poll interval; groups run
-in the background, ``max_parallel`` sandboxes at a time. Delivery: a queued task's offset is committed, so
-a runner killed mid-group loses that group (the task stays on the topic); a group whose relay, Redis or
-Kafka calls keep failing is retried, then counted as failed. ``adapters`` is followed for the newest
-version (reported beside each group's stamp); the stamp itself is read from Redis when a group starts.
+again: groups have their own ids, tasks are not deduplicated). The handler writes the task to the ledger
+(:mod:`services.rollouts.ledger`, Redis) and queues it, so a long group never holds the consumer past
+Kafka's poll interval; groups run in the background, ``max_parallel`` sandboxes at a time. Delivery: the
+offset is committed once the ledger has the task; the entry goes when the group is on ``rollouts``, and a
+starting runner first runs again what a killed one left (a new group: new ids and relay episodes, since
+the dead run's episodes may hold calls), so a kill mid-group loses nothing.
+A group whose relay, Redis or Kafka calls keep failing is retried, then counted as failed and left in the
+ledger for the next start; one that fails otherwise (a bug, a broken task) is counted and dropped.
+``adapters`` is followed for the newest version (reported beside each group's stamp); the stamp itself is
+read from Redis when a group starts.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
+import uuid
 
 from schemas.adapter import AdapterPublished
 from schemas.task import Task
@@ -22,6 +28,7 @@ from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import BusError, TransientError
 from services.rollouts.group import GroupRunner, ceiling_report
+from services.rollouts.ledger import Ledger, MemoryLedger
 from services.rollouts.relay_client import RelayRefused
 from services.rollouts.settings import RolloutSettings
 
@@ -32,16 +39,27 @@ GROUP_ATTEMPTS = 3
 class RolloutWorker:
     """Queues tasks, runs their groups, publishes each finished group."""
 
-    def __init__(self, settings: RolloutSettings, bus: Bus, runner: GroupRunner) -> None:
+    def __init__(self, settings: RolloutSettings, bus: Bus, runner: GroupRunner, ledger: Ledger | None = None) -> None:
         self.settings, self.bus, self.runner = settings, bus, runner
+        self.ledger = ledger or MemoryLedger()
         groups = max(1, -(-settings.max_parallel // settings.group_size)) + 1  # keep every slot busy, one ahead
-        self.queue: asyncio.Queue[Task] = asyncio.Queue(maxsize=groups * 4)
+        self.queue: asyncio.Queue[tuple[str, Task]] = asyncio.Queue(maxsize=groups * 4)
         self.workers = [asyncio.ensure_future(self._work()) for _ in range(groups)]
         self.latest_version = 0
         self.published = 0
 
     async def on_task(self, task: Task) -> None:
-        await self.queue.put(task)
+        """Ledger first (Redis down: a transient error, the record is retried, not committed), then the queue."""
+        entry = f"g-{time.time_ns():016x}{uuid.uuid4().hex[:8]}"  # sorts by acceptance: resumed oldest first
+        await self.ledger.add(entry, task)
+        await self.queue.put((entry, task))
+
+    async def resume(self, left: list[tuple[str, Task]]) -> None:
+        """Queue the groups a previous run accepted and did not publish (read before consuming starts)."""
+        for entry, task in left:
+            log.warning("resuming group %s of task %s: accepted by a previous run, never published", entry,
+                        task.task_id[:12])
+            await self.queue.put((entry, task))
 
     async def on_adapter(self, adapter: AdapterPublished) -> None:
         if adapter.model_id == self.settings.model_id and adapter.version > self.latest_version:
@@ -50,18 +68,21 @@ class RolloutWorker:
 
     async def _work(self) -> None:
         while True:
-            task = await self.queue.get()
+            entry, task = await self.queue.get()
             try:
-                await self.run_task(task)
+                await self.run_task(task, entry)
             finally:
                 self.queue.task_done()
 
-    async def run_task(self, task: Task) -> None:
-        """One group of ``task``, published; transient failures retried, then counted as failed."""
+    async def run_task(self, task: Task, entry: str | None = None) -> None:
+        """One group of ``task``, published, its ledger ``entry`` removed; transient failures retried, then
+        counted as failed (left in the ledger for the next start)."""
         for attempt in range(1, GROUP_ATTEMPTS + 1):
             try:
                 group = await self.runner.run_group(task)
                 await self.bus.publish(topic("rollouts"), group)
+                if entry is not None:
+                    await self._forget(entry)
                 self.published += 1
                 self.runner.metrics.groups.inc()
                 behind = self.latest_version - group.adapter_version
@@ -74,8 +95,17 @@ class RolloutWorker:
                     await asyncio.sleep(min(2.0 ** attempt, 30.0))
             except Exception:
                 log.exception("group of task %s failed", task.task_id[:12])
+                if entry is not None:
+                    await self._forget(entry)
                 break
         self.runner.metrics.failed.inc()
+
+    async def _forget(self, entry: str) -> None:
+        """Drop ``entry`` from the ledger; a failure only means the next start runs it again (logged)."""
+        try:
+            await self.ledger.done(entry)
+        except (TransientError, OSError) as exc:
+            log.warning("ledger entry %s not removed (%s): a restart would run that group again", entry, exc)
 
     async def close(self) -> None:
         for w in self.workers:
@@ -88,6 +118,7 @@ async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> N
     from prometheus_client import start_http_server
 
     from services.common.stamps import stamp_store
+    from services.rollouts.ledger import ledger
     from services.rollouts.relay_client import RelayAdmin
     from services.rollouts.sandbox import make_sandbox
 
@@ -99,20 +130,25 @@ async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> N
     sandbox = make_sandbox(settings.sandbox, settings.harness)
     stamps = stamp_store(settings.redis.url, settings.kafka.topic_namespace)
     admin_token = settings.admin_token.get_secret_value() if settings.admin_token else ""
+    pending = ledger(settings.redis.url, settings.kafka.topic_namespace, settings.group_id)
     bus = Bus(settings.kafka, client_id="fanroute-rollouts")
     async with RelayAdmin(settings.relay_url, admin_token, settings.relay_timeout_s) as admin:
         runner = GroupRunner(settings, sandbox, admin, stamps)
-        worker = RolloutWorker(settings, bus, runner)
+        worker = RolloutWorker(settings, bus, runner, pending)
         bus.subscribe(topic("tasks"), worker.on_task, group_id=f"{settings.group_id}.tasks")
         bus.subscribe(topic("adapters"), worker.on_adapter, group_id=f"{settings.group_id}.adapters")
         if settings.metrics_port:
             start_http_server(settings.metrics_port, registry=runner.metrics.registry)
+        left = await pending.pending()  # before consuming: only what earlier runs accepted
         await bus.start(tuple(topic(n) for n in ("tasks", "adapters", "rollouts")))
+        resuming = asyncio.ensure_future(worker.resume(left))
         log.info("rollout runner: %s sandbox, harness %s, group_size %d; %s", sandbox.kind, settings.harness.name,
                  settings.group_size, ceiling_report(settings))
         try:
             await stop.wait()
         finally:
+            resuming.cancel()
             await bus.stop()
             await worker.close()
             await stamps.close()
+            await pending.close()

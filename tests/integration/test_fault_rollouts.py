@@ -1,0 +1,92 @@
+"""Fault matrix, rollout runner row: the runner (its own process, real broker, redis-server, bubblewrap, the
+real relay) killed with SIGKILL while its groups' harnesses are still running, then restarted: every task it
+had accepted (offset committed) comes back as exactly one group, from the ledger the killed run left in Redis.
+
+A runner's result for a task record is one published group; counted by task id (each test task is distinct).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from schemas import topic
+from schemas.rollout import RolloutGroup
+from services.common.bus import publish_once
+from services.common.settings import KafkaSettings, RedisSettings
+from services.episodes.tasks import build_task
+from tests.support.fault_matrix import exactly_once, test_id
+from tests.support.poll import eventually
+from tests.support.processes import running, service_env
+from tests.support.records import NOW, judged_trace, verdict_for
+from tests.support.relay import relay_served, relay_settings
+from tests.support.tiny_model import build_tiny_model
+from tests.support.topics import topic_records, wait_for_records
+
+pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")]
+ADMIN = "fault-rollouts-admin"
+
+
+def harness(root: Path, name: str, script: str) -> Path:
+    d = root / name
+    d.mkdir()
+    (d / "h.sh").write_text(script)
+    return d
+
+
+async def test_a_runner_killed_mid_group_loses_no_group(kafka_bootstrap, redis_url, tmp_path, request):
+    ns = f"fr{uuid.uuid4().hex[:8]}."
+    kafka, redis = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns), RedisSettings(url=redis_url)
+    base = build_tiny_model(tmp_path / "base")
+    stuck = harness(tmp_path, "stuck", "sleep 600\n")  # the kill lands while every group is mid-rollout
+    quick = harness(tmp_path, "quick", 'echo "bm25-all = eng-bm25 > dense-all > lib-bm25" > /app/answer.txt\n')
+    tasks = [build_task(judged_trace(f"t-{i}"), verdict_for(f"t-{i}"), now=NOW) for i in range(3)]
+    group_id = f"rollouts-{ns}".rstrip(".").lower()
+    ledger_key = f"{ns}rollouts:pending:{group_id}"
+    client = aioredis.Redis.from_url(redis_url)
+    work = Path(tempfile.mkdtemp(prefix="fr-", dir="/tmp"))  # AF_UNIX paths stop at 107 bytes: keep it short
+    relay = relay_settings(base, kafka=kafka, redis=redis, sampler_url="http://127.0.0.1:9", admin_token=ADMIN,
+                           adapter_model_id="router")
+    try:
+        async with relay_served(relay) as (url, _):
+            def env(harness_dir: Path) -> dict[str, str]:
+                return service_env(kafka, redis_url, FANROUTE_RELAY_URL=url, FANROUTE_ADMIN_TOKEN=ADMIN,
+                                   FANROUTE_GROUP_ID=group_id, FANROUTE_GROUP_SIZE="2", FANROUTE_MAX_PARALLEL="6",
+                                   FANROUTE_WORK_DIR=str(work), FANROUTE_HARNESS__NAME="scripted",
+                                   FANROUTE_HARNESS__DIRECTORY=str(harness_dir),
+                                   FANROUTE_HARNESS__COMMAND=json.dumps(["bash", "/harness/h.sh"]),
+                                   FANROUTE_SANDBOX_TIMEOUT_S="900", FANROUTE_COMMAND_TIMEOUT_S="900")
+
+            with running("-m", "services.rollouts", env=env(stuck), crash=True):
+                for t in tasks:
+                    await publish_once(kafka, topic("tasks"), t, client_id="test")
+                await eventually(lambda: _ledger_size(client, ledger_key, 3), timeout_s=120,
+                                 what="the runner accepting all three tasks (its ledger)")
+            before = await topic_records(kafka, "rollouts", RolloutGroup)
+            with running("-m", "services.rollouts", env=env(quick)), contextlib.suppress(AssertionError):
+                # a timeout here is reported below, as lost groups in the row
+                await wait_for_records(kafka, "rollouts", RolloutGroup, 3, timeout_s=180,
+                                       what="the three groups after the restart")
+                await eventually(lambda: _ledger_size(client, ledger_key, 0), timeout_s=60,
+                                 what="the ledger emptied once the groups are out")
+            groups = await topic_records(kafka, "rollouts", RolloutGroup)
+    finally:
+        await client.aclose()
+        shutil.rmtree(work, ignore_errors=True)
+    exactly_once("kill -9 mid-group, restart", "rollout runner", test_id(request), records_in=len(tasks),
+                 expected={t.task_id for t in tasks}, results=[g.task_id for g in groups],
+                 groups_before_kill=len(before))
+    assert before == []  # the kill landed before any group was out
+    assert all(r.outcome == "completed" and r.reward == 1.0 for g in groups for r in g.rollouts)
+
+
+async def _ledger_size(client: aioredis.Redis, key: str, want: int) -> bool:
+    return await client.hlen(key) == want

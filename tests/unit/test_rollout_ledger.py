@@ -1,0 +1,83 @@
+"""The runner's ledger: an accepted task stays in it until its group is published; a transient failure leaves
+it for the next start, any other failure drops it; a restart runs what is left."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.rollout import RolloutGroup
+from services.common.errors import TransientError
+from services.episodes.tasks import build_task
+from services.rollouts import worker as worker_mod
+from services.rollouts.ledger import MemoryLedger
+from services.rollouts.settings import RolloutSettings
+from tests.support.records import NOW, judged_trace, verdict_for
+
+
+class Bus:
+    def __init__(self) -> None:
+        self.published: list[RolloutGroup] = []
+
+    async def publish(self, spec, message) -> None:
+        self.published.append(message)
+
+
+class Runner:
+    """Fails with ``error`` for the tasks named in ``failing``; otherwise returns a stand-in group."""
+
+    def __init__(self, failing: dict[str, Exception]) -> None:
+        self.failing, self.ran = failing, []
+        self.metrics = type("M", (), {"groups": _Count(), "failed": _Count()})()
+
+    async def run_group(self, task, group_id=None):
+        self.ran.append(task.task_id)
+        if task.task_id in self.failing:
+            raise self.failing[task.task_id]
+        return type("G", (), {"group_id": "g", "model_id": "router", "adapter_version": 1})()
+
+
+class _Count:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def inc(self) -> None:
+        self.n += 1
+
+
+@pytest.fixture
+def tasks():
+    return [build_task(judged_trace(f"t-{i}"), verdict_for(f"t-{i}"), now=NOW) for i in range(3)]
+
+
+async def test_the_ledger_keeps_a_task_until_its_group_is_out(tasks, monkeypatch):
+    monkeypatch.setattr(worker_mod, "GROUP_ATTEMPTS", 1)
+    ok, flaky, broken = tasks
+    ledger = MemoryLedger()
+    runner = Runner({flaky.task_id: TransientError("relay down"), broken.task_id: ValueError("a broken task")})
+    w = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), Bus(), runner, ledger)  # type: ignore[arg-type]
+    try:
+        for t in tasks:
+            await w.on_task(t)
+        assert [t.task_id for _, t in await ledger.pending()] == [t.task_id for t in tasks]  # before any group ran
+        await w.queue.join()
+    finally:
+        await w.close()
+    assert sorted(runner.ran) == sorted(t.task_id for t in tasks)
+    assert [t.task_id for _, t in await ledger.pending()] == [flaky.task_id]  # retried at the next start
+    assert (w.published, runner.metrics.failed.n) == (1, 2)
+
+
+async def test_a_restart_runs_every_group_the_last_run_left(tasks):
+    ledger = MemoryLedger()
+    for i, t in enumerate(reversed(tasks)):
+        await ledger.add(f"g-{i:016x}", t)
+    runner = Runner({})
+    bus = Bus()
+    w = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), bus, runner, ledger)  # type: ignore[arg-type]
+    try:
+        await w.resume(await ledger.pending())
+        await w.queue.join()
+    finally:
+        await w.close()
+    assert set(runner.ran) == {t.task_id for t in tasks} and len(bus.published) == 3
+    assert await ledger.pending() == []
