@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from faststream import AckPolicy
@@ -37,6 +38,20 @@ from services.common.settings import KafkaSettings
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=Message)
 MEMORY = "memory://"
+
+
+@dataclass(frozen=True)
+class RecordRef:
+    """Where a consumed record sits: its identity when the content alone is not (a task sent twice)."""
+
+    topic: str
+    partition: int
+    offset: int
+
+    @property
+    def key(self) -> str:
+        """``<topic>/<partition>/<offset>``, zero-padded so that keys sort in log order per partition."""
+        return f"{self.topic}/{self.partition:05d}/{self.offset:020d}"
 
 DLQ_HEADERS = ("x-dlq-reason", "x-dlq-error-type", "x-dlq-source-topic", "x-dlq-source-partition",
                "x-dlq-source-offset", "x-dlq-consumer")
@@ -133,11 +148,13 @@ class Bus:
         max_attempts: int = 3,
         retry_backoff_s: float = 0.2,
         auto_offset_reset: str = "earliest",
+        with_record: bool = False,
     ) -> Any:
         """Register ``handler`` for ``spec``'s topic: parse, retry, dead-letter, then commit.
 
         ``max_attempts``/``retry_backoff_s`` apply to handler errors; transient errors follow the
-        settings' schedule instead (see the module docstring).
+        settings' schedule instead (see the module docstring). ``with_record``: the handler also gets
+        the record's :class:`RecordRef`.
         """
         model_cls: type[M] = model or spec.model  # type: ignore[assignment]
         bus = self
@@ -149,7 +166,13 @@ class Bus:
             except SchemaError as exc:
                 await bus.dead_letter(spec, record, group_id, exc)
                 return
-            await bus._handle(spec, handler, parsed, record, group_id, max_attempts, retry_backoff_s)
+            call = handler
+            if with_record:
+                ref = RecordRef(record.topic, record.partition, record.offset)
+
+                async def call(message: M) -> None:
+                    await handler(message, ref)  # type: ignore[call-arg]
+            await bus._handle(spec, call, parsed, record, group_id, max_attempts, retry_backoff_s)
 
         _consume.__name__ = f"consume_{spec.name}_{group_id}".replace("-", "_").replace(".", "_")
         sub = self.broker.subscriber(

@@ -1,35 +1,39 @@
-"""The runner's ledger of accepted tasks whose group is not published yet (Redis hash, dict in memory mode).
+"""The runner's ledger of accepted task records whose group is not published yet (Redis, dict in memory mode).
 
 Why: the runner commits a task's offset as soon as it has queued it (a group outlives Kafka's poll
-interval), so the task record alone cannot bring a group back after a crash. Each accepted task is written
-here first (before the commit), removed when its group is on ``rollouts``, and a starting runner queues
-again whatever a killed one left. A runner killed between publishing a group and removing its entry runs
-that task twice (two groups); the trainer takes the first for its send and counts the other foreign.
+interval), so the task record alone cannot bring a group back after a crash. Each accepted record is
+written here first (before the commit), keyed by its place in the log (``RecordRef.key``: the same task
+sent twice is two records, two groups); when its group is on ``rollouts`` the key moves to a done set
+(kept ``DONE_RETENTION_S``). A starting runner queues again whatever a killed one left pending; a record
+redelivered because the kill came before its commit is already pending or done, and is not run again.
 """
 
 from __future__ import annotations
 
 import abc
+import time
 
 from schemas.base import decode
 from schemas.task import Task
 from services.common.idempotency import redis_transient
 
+DONE_RETENTION_S = 7 * 86_400  # longer than any redelivery: a done key is needed only until its offset commits
+
 
 class Ledger(abc.ABC):
-    """Accepted tasks by entry id (time-ordered, so a restart resumes the oldest first)."""
+    """Accepted task records by key (log order, so a restart resumes the oldest first)."""
 
     @abc.abstractmethod
-    async def add(self, entry: str, task: Task) -> None:
-        """Record ``task`` as accepted under ``entry``."""
+    async def accept(self, key: str, task: Task) -> bool:
+        """Record ``task`` as accepted under ``key``; False when ``key`` is already pending or done."""
 
     @abc.abstractmethod
-    async def done(self, entry: str) -> None:
-        """``entry``'s group is published (or can never be): forget it."""
+    async def done(self, key: str) -> None:
+        """``key``'s group is published (or never can be): no longer pending, remembered as done."""
 
     @abc.abstractmethod
     async def pending(self) -> list[tuple[str, Task]]:
-        """Entries a previous run accepted and did not finish, oldest entry id first."""
+        """Records accepted and not done, in key order."""
 
     async def close(self) -> None:
         """Release connections."""
@@ -40,37 +44,50 @@ class MemoryLedger(Ledger):
 
     def __init__(self) -> None:
         self.entries: dict[str, Task] = {}
+        self.finished: set[str] = set()
 
-    async def add(self, entry: str, task: Task) -> None:
-        self.entries[entry] = task
+    async def accept(self, key: str, task: Task) -> bool:
+        if key in self.entries or key in self.finished:
+            return False
+        self.entries[key] = task
+        return True
 
-    async def done(self, entry: str) -> None:
-        self.entries.pop(entry, None)
+    async def done(self, key: str) -> None:
+        self.entries.pop(key, None)
+        self.finished.add(key)
 
     async def pending(self) -> list[tuple[str, Task]]:
         return sorted(self.entries.items())
 
 
 class RedisLedger(Ledger):
-    """One hash per runner consumer group, shared by its restarts (entry id -> the task's JSON)."""
+    """A hash of pending records (key -> the task's JSON) and a sorted set of done keys (by time), per runner
+    consumer group and shared by its restarts."""
 
-    def __init__(self, url: str, key: str) -> None:
+    def __init__(self, url: str, prefix: str) -> None:
         import redis.asyncio as redis
 
         self.client = redis.Redis.from_url(url)
-        self.key = key
+        self.pending_key, self.done_key = f"{prefix}:pending", f"{prefix}:done"
 
-    async def add(self, entry: str, task: Task) -> None:
+    async def accept(self, key: str, task: Task) -> bool:
         with redis_transient("rollout ledger"):
-            await self.client.hset(self.key, entry, task.model_dump_json())
+            if await self.client.zscore(self.done_key, key) is not None:
+                return False
+            return bool(await self.client.hsetnx(self.pending_key, key, task.model_dump_json()))
 
-    async def done(self, entry: str) -> None:
+    async def done(self, key: str) -> None:
+        now = time.time()
         with redis_transient("rollout ledger"):
-            await self.client.hdel(self.key, entry)
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.zadd(self.done_key, {key: now})
+                pipe.hdel(self.pending_key, key)
+                pipe.zremrangebyscore(self.done_key, "-inf", now - DONE_RETENTION_S)
+                await pipe.execute()
 
     async def pending(self) -> list[tuple[str, Task]]:
         with redis_transient("rollout ledger"):
-            raw = await self.client.hgetall(self.key)
+            raw = await self.client.hgetall(self.pending_key)
         return sorted((k.decode(), decode(Task, v)) for k, v in raw.items())
 
     async def close(self) -> None:
@@ -79,4 +96,4 @@ class RedisLedger(Ledger):
 
 def ledger(url: str, namespace: str, group_id: str) -> Ledger:
     """Redis unless ``url`` is ``memory://``."""
-    return MemoryLedger() if url == "memory://" else RedisLedger(url, f"{namespace}rollouts:pending:{group_id}")
+    return MemoryLedger() if url == "memory://" else RedisLedger(url, f"{namespace}rollouts:ledger:{group_id}")

@@ -4,9 +4,10 @@ Each task record starts one group (a task republished, e.g. by the trainer reque
 again: groups have their own ids, tasks are not deduplicated). The handler writes the task to the ledger
 (:mod:`services.rollouts.ledger`, Redis) and queues it, so a long group never holds the consumer past
 Kafka's poll interval; groups run in the background, ``max_parallel`` sandboxes at a time. Delivery: the
-offset is committed once the ledger has the task; the entry goes when the group is on ``rollouts``, and a
-starting runner first runs again what a killed one left (a new group: new ids and relay episodes, since
-the dead run's episodes may hold calls), so a kill mid-group loses nothing.
+offset is committed once the ledger has the record (keyed by its place in the log); the key is marked done
+when the group is on ``rollouts``; a starting runner first runs again what a killed one left pending (a new
+group: new ids and relay episodes, since the dead run's episodes may hold calls), and a record redelivered
+because the kill beat its commit is already in the ledger and not run twice: a kill loses nothing.
 A group whose relay, Redis or Kafka calls keep failing is retried, then counted as failed and left in the
 ledger for the next start; one that fails otherwise (a bug, a broken task) is counted and dropped.
 ``adapters`` is followed for the newest version (reported beside each group's stamp); the stamp itself is
@@ -19,13 +20,11 @@ import asyncio
 import contextlib
 import logging
 import signal
-import time
-import uuid
 
 from schemas.adapter import AdapterPublished
 from schemas.task import Task
 from schemas.topics import topic
-from services.common.bus import Bus
+from services.common.bus import Bus, RecordRef
 from services.common.errors import BusError, TransientError
 from services.rollouts.group import GroupRunner, ceiling_report
 from services.rollouts.ledger import Ledger, MemoryLedger
@@ -48,16 +47,18 @@ class RolloutWorker:
         self.latest_version = 0
         self.published = 0
 
-    async def on_task(self, task: Task) -> None:
-        """Ledger first (Redis down: a transient error, the record is retried, not committed), then the queue."""
-        entry = f"g-{time.time_ns():016x}{uuid.uuid4().hex[:8]}"  # sorts by acceptance: resumed oldest first
-        await self.ledger.add(entry, task)
-        await self.queue.put((entry, task))
+    async def on_task(self, task: Task, record: RecordRef) -> None:
+        """Ledger first (Redis down: a transient error, the record is retried, not committed), then the queue;
+        a record the ledger already has (redelivered after a kill before its commit) is not run again."""
+        if await self.ledger.accept(record.key, task):
+            await self.queue.put((record.key, task))
+        else:
+            log.info("task record %s already accepted (pending or done): not run again", record.key)
 
     async def resume(self, left: list[tuple[str, Task]]) -> None:
         """Queue the groups a previous run accepted and did not publish (read before consuming starts)."""
         for entry, task in left:
-            log.warning("resuming group %s of task %s: accepted by a previous run, never published", entry,
+            log.warning("resuming task record %s (task %s): accepted by a previous run, never published", entry,
                         task.task_id[:12])
             await self.queue.put((entry, task))
 
@@ -101,11 +102,11 @@ class RolloutWorker:
         self.runner.metrics.failed.inc()
 
     async def _forget(self, entry: str) -> None:
-        """Drop ``entry`` from the ledger; a failure only means the next start runs it again (logged)."""
+        """Mark ``entry`` done in the ledger; a failure only means the next start runs it again (logged)."""
         try:
             await self.ledger.done(entry)
         except (TransientError, OSError) as exc:
-            log.warning("ledger entry %s not removed (%s): a restart would run that group again", entry, exc)
+            log.warning("ledger entry %s not marked done (%s): a restart would run that group again", entry, exc)
 
     async def close(self) -> None:
         for w in self.workers:
@@ -135,7 +136,7 @@ async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> N
     async with RelayAdmin(settings.relay_url, admin_token, settings.relay_timeout_s) as admin:
         runner = GroupRunner(settings, sandbox, admin, stamps)
         worker = RolloutWorker(settings, bus, runner, pending)
-        bus.subscribe(topic("tasks"), worker.on_task, group_id=f"{settings.group_id}.tasks")
+        bus.subscribe(topic("tasks"), worker.on_task, group_id=f"{settings.group_id}.tasks", with_record=True)
         bus.subscribe(topic("adapters"), worker.on_adapter, group_id=f"{settings.group_id}.adapters")
         if settings.metrics_port:
             start_http_server(settings.metrics_port, registry=runner.metrics.registry)

@@ -50,7 +50,7 @@ async def test_a_runner_killed_mid_group_loses_no_group(kafka_bootstrap, redis_u
     quick = harness(tmp_path, "quick", 'echo "bm25-all = eng-bm25 > dense-all > lib-bm25" > /app/answer.txt\n')
     tasks = [build_task(judged_trace(f"t-{i}"), verdict_for(f"t-{i}"), now=NOW) for i in range(3)]
     group_id = f"rollouts-{ns}".rstrip(".").lower()
-    ledger_key = f"{ns}rollouts:pending:{group_id}"
+    ledger_key = f"{ns}rollouts:ledger:{group_id}:pending"
     client = aioredis.Redis.from_url(redis_url)
     work = Path(tempfile.mkdtemp(prefix="fr-", dir="/tmp"))  # AF_UNIX paths stop at 107 bytes: keep it short
     relay = relay_settings(base, kafka=kafka, redis=redis, sampler_url="http://127.0.0.1:9", admin_token=ADMIN,

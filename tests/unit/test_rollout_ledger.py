@@ -1,11 +1,13 @@
-"""The runner's ledger: an accepted task stays in it until its group is published; a transient failure leaves
-it for the next start, any other failure drops it; a restart runs what is left."""
+"""The runner's ledger: an accepted task record stays pending until its group is published; a transient failure
+leaves it for the next start, any other failure drops it; a restart runs what is left; a redelivered record
+(pending or done) is not run again."""
 
 from __future__ import annotations
 
 import pytest
 
 from schemas.rollout import RolloutGroup
+from services.common.bus import RecordRef
 from services.common.errors import TransientError
 from services.episodes.tasks import build_task
 from services.rollouts import worker as worker_mod
@@ -56,8 +58,8 @@ async def test_the_ledger_keeps_a_task_until_its_group_is_out(tasks, monkeypatch
     runner = Runner({flaky.task_id: TransientError("relay down"), broken.task_id: ValueError("a broken task")})
     w = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), Bus(), runner, ledger)  # type: ignore[arg-type]
     try:
-        for t in tasks:
-            await w.on_task(t)
+        for i, t in enumerate(tasks):
+            await w.on_task(t, RecordRef("tasks", 0, i))
         assert [t.task_id for _, t in await ledger.pending()] == [t.task_id for t in tasks]  # before any group ran
         await w.queue.join()
     finally:
@@ -69,8 +71,8 @@ async def test_the_ledger_keeps_a_task_until_its_group_is_out(tasks, monkeypatch
 
 async def test_a_restart_runs_every_group_the_last_run_left(tasks):
     ledger = MemoryLedger()
-    for i, t in enumerate(reversed(tasks)):
-        await ledger.add(f"g-{i:016x}", t)
+    for i, t in enumerate(tasks):
+        assert await ledger.accept(RecordRef("tasks", 0, i).key, t)
     runner = Runner({})
     bus = Bus()
     w = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), bus, runner, ledger)  # type: ignore[arg-type]
@@ -81,3 +83,19 @@ async def test_a_restart_runs_every_group_the_last_run_left(tasks):
         await w.close()
     assert set(runner.ran) == {t.task_id for t in tasks} and len(bus.published) == 3
     assert await ledger.pending() == []
+
+
+async def test_a_redelivered_record_is_not_run_again_but_the_same_task_sent_again_is():
+    (task,) = [build_task(judged_trace("t-0"), verdict_for("t-0"), now=NOW)]
+    ledger, runner, bus = MemoryLedger(), Runner({}), Bus()
+    w = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), bus, runner, ledger)  # type: ignore[arg-type]
+    try:
+        await w.on_task(task, RecordRef("tasks", 0, 7))
+        await w.queue.join()
+        await w.on_task(task, RecordRef("tasks", 0, 7))  # redelivered: its group is out already
+        await w.on_task(task, RecordRef("tasks", 0, 9))  # sent again (a requeue): another group
+        await w.queue.join()
+    finally:
+        await w.close()
+    assert len(runner.ran) == 2 and len(bus.published) == 2 and await ledger.pending() == []
+    assert RecordRef("tasks", 0, 7).key < RecordRef("tasks", 0, 10).key  # zero-padded: log order
