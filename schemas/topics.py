@@ -82,7 +82,8 @@ TOPICS: dict[str, TopicSpec] = {
                   description="One model call a harness made through the relay: prompt ids, sampled ids and "
                               "their logprobs, the disposition, the adapter version, timings, the request.",
                   producers=("relay",),
-                  planned_consumers=("trainer (rl run kind, not yet built)",)),
+                  planned_consumers=("call audit and replay tools (not yet built; the rollout records carry "
+                                     "each rollout's calls)",)),
         TopicSpec("rollouts", RolloutGroup, "group_id", partitions=3,
                   description="A group of rollouts of one replay task under one adapter version: each rollout's "
                               "harness output, relay calls, reward and datums (advantage = reward - group mean).",
