@@ -99,15 +99,24 @@ async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Pa
 
 
 async def preflight(kafka: KafkaSettings, tasks: list[Task], timeout_s: float) -> dict[str, Any]:
-    """Every task once through the running stack, no training: outcomes and the non-model error rate."""
+    """Every task once through the running stack, no training: outcomes and the non-model error rate (a
+    progress bar counts the groups back and the non-model errors so far)."""
+    from tqdm import tqdm
+
     got: dict[str, RolloutGroup] = {}
     done = asyncio.Event()
     started = time.perf_counter()
     wanted = {t.task_id for t in tasks}
+    bar = tqdm(total=len(wanted), desc="preflight", unit="task")
+    errors_so_far = 0
 
     async def on_group(g: RolloutGroup) -> None:
+        nonlocal errors_so_far
         if g.task_id in wanted and g.task_id not in got:
             got[g.task_id] = g
+            errors_so_far += sum(r.outcome in NON_MODEL for r in g.rollouts)
+            bar.set_postfix(non_model_errors=errors_so_far, refresh=False)
+            bar.update()
             if len(got) == len(wanted):
                 done.set()
 
@@ -120,6 +129,7 @@ async def preflight(kafka: KafkaSettings, tasks: list[Task], timeout_s: float) -
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), timeout_s)
     finally:
+        bar.close()
         await bus.stop()
     outcomes = Counter(r.outcome for g in got.values() for r in g.rollouts)
     n = sum(outcomes.values())

@@ -5,6 +5,7 @@ adapter published (the Redis stamp advances) — ``fanroute rl smoke`` as a func
 The policy starts from a LoRA adapter SFT-trained here for a few seconds to answer in the router's format
 with the task's providers in a random order: the bare base model answers the query instead (both rollouts
 score 0, a uniform group, nothing to train on), while this one's rollouts differ, so the step trains.
+The preflight (every task once, untrained policy) counts a task whose grader crashes as a non-model error.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from schemas.rollout import RolloutGroup
+from schemas.task import Task
 from services.common.settings import KafkaSettings, RedisSettings
 from services.common.stamps import RedisStampStore
-from services.episodes.tasks import build_task, write_task
+from services.episodes.tasks import build_task, task_id_of, write_task
 from services.tools.rl_recipes import run_recipe
 from tests.support.records import NOW, episode, judged_trace, verdict_for
 from tests.support.topics import topic_records
@@ -79,3 +81,20 @@ async def test_the_one_step_smoke_runs_end_to_end(kafka_bootstrap, redis_url, tm
     finally:
         await stamps.close()
     assert summary["wall_time_s"] > 0
+
+
+async def test_the_preflight_counts_a_broken_grader_as_a_non_model_error(kafka_bootstrap, redis_url, tmp_path):
+    ns = f"rp{uuid.uuid4().hex[:8]}."
+    kafka, redis = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns), RedisSettings(url=redis_url)
+    good = build_task(judged_trace("t-good"), verdict_for("t-good"), now=NOW)
+    files = dict(build_task(judged_trace("t-bad"), verdict_for("t-bad"), now=NOW).files)
+    files["tests/fixtures/grades.json"] = '{"providers": []}'  # the grader raises before writing a reward
+    bad = Task(task_id=task_id_of(files), trace_id="t-bad", created_at=NOW, files=files)
+    for t in (good, bad):
+        write_task(t, tmp_path / "tasks")
+    summary = await run_recipe("preflight", kafka, redis, tmp_path / "tasks", tmp_path / "out", max_tokens=8,
+                               print_=print)
+    assert (summary["tasks"], summary["groups"], summary["rollouts"], summary["missing_groups"]) == (2, 2, 2, 0)
+    assert summary["outcomes"] == {"completed": 1, "grader_crashed": 1}
+    assert (summary["non_model_errors"], summary["non_model_error_rate"], summary["flagged"]) == (1, 0.5, 1)
+    assert summary["no_calls"] == 0  # both harnesses asked the base policy through the relay
