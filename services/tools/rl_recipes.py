@@ -51,7 +51,7 @@ class Recipe:
 
 
 RECIPES = {"smoke": Recipe(tasks=1, group_size=2, groups_per_batch=1, steps=1, resample_uniform=4),
-           "overfit": Recipe(tasks=32, group_size=8, groups_per_batch=32, steps=3, max_tokens=24),
+           "overfit": Recipe(tasks=32, group_size=8, groups_per_batch=32, steps=5, max_tokens=24),
            "preflight": Recipe(tasks=0, group_size=1, groups_per_batch=1, steps=0)}
 
 
