@@ -1,16 +1,23 @@
 """Topic ``tasks``: a content-addressed replay task in Harbor's task format.
 
-Producer: episode builder. Consumer: rollout runner. Filled in by the episodes issue.
+Producers: episode builder, trainer (run kind rl), ``fanroute rl``. Consumer: rollout runner. The id rule
+lives here because the builder writes tasks and the trainer reads them back from a directory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Literal
 
 from pydantic import Field
 
-from schemas.base import Message
+from schemas.base import Message, content_id
+
+
+def task_id_of(files: Mapping[str, str]) -> str:
+    """The content hash of the files (canonical JSON, sorted keys): same files, same id."""
+    return content_id(dict(files))
 
 
 class Task(Message):

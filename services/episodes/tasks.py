@@ -12,14 +12,13 @@ from __future__ import annotations
 import json
 import re
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 import services.common.ndcg as ndcg_module
-from schemas.base import content_id
-from schemas.task import Task
+from schemas.task import Task, task_id_of
 from schemas.trace import Trace
 from schemas.verdict import Verdict
 from services.common.ndcg import format_ordering
@@ -290,11 +289,6 @@ def task_files(trace: Trace, verdict: Verdict) -> dict[str, str]:
             [c.model_dump(mode="json") for c in trace.candidates]),
     }
     return dict(sorted(files.items()))
-
-
-def task_id_of(files: Mapping[str, str]) -> str:
-    """The content hash of the files (canonical JSON, sorted keys): same files, same id."""
-    return content_id(dict(files))
 
 
 def build_task(trace: Trace, verdict: Verdict, *, now: datetime | None = None) -> Task:

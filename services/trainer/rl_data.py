@@ -21,9 +21,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
 
-from schemas.base import content_id
 from schemas.rollout import RolloutGroup
-from schemas.task import Task
+from schemas.task import Task, task_id_of
 from services.common.errors import ConfigError
 
 EVAL_SALT = "fanroute-rl-eval"
@@ -42,7 +41,7 @@ def load_tasks(root: Path, *, contested_only: bool = False, limit: int | None = 
         meta = tomllib.loads(files["task.toml"]).get("metadata", {})
         if contested_only and "contested" not in meta.get("tags", ()):
             continue
-        task_id = content_id(files)
+        task_id = task_id_of(files)
         if task_id != d.name:
             raise ConfigError(f"task {d}: its files hash to {task_id}, not its directory's name (edited by hand?)")
         tasks.append(Task(task_id=task_id, trace_id=str(meta.get("trace_id") or d.name),
@@ -65,7 +64,7 @@ def split_tasks(tasks: Sequence[Task], eval_fraction: float) -> tuple[list[Task]
     return train, [t for t in tasks if held(t)]
 
 
-Verdict = Literal["fresh", "stale", "foreign"]
+Triage = Literal["fresh", "stale"]
 
 
 @dataclass
@@ -123,7 +122,7 @@ def steps_behind(group: RolloutGroup, step: int, step_of: dict[int, int]) -> flo
     return math.inf if at is None else float(step - at)
 
 
-def triage(group: RolloutGroup, step: int, step_of: dict[int, int], max_steps_off_policy: int) -> Verdict:
+def triage(group: RolloutGroup, step: int, step_of: dict[int, int], max_steps_off_policy: int) -> Triage:
     """``fresh`` (train on it) or ``stale`` (requeue it): more than ``max_steps_off_policy`` steps behind."""
     return "stale" if steps_behind(group, step, step_of) > max_steps_off_policy else "fresh"
 

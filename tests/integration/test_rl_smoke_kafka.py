@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from schemas.rollout import RolloutGroup
-from schemas.task import Task
+from schemas.task import Task, task_id_of
 from services.common.settings import KafkaSettings, RedisSettings
 from services.common.stamps import RedisStampStore
-from services.episodes.tasks import build_task, task_id_of, write_task
+from services.episodes.tasks import build_task, write_task
 from services.tools.rl_recipes import run_recipe
 from tests.support.records import NOW, episode, judged_trace, verdict_for
 from tests.support.topics import topic_records
