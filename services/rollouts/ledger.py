@@ -11,11 +11,15 @@ redelivered because the kill came before its commit is already pending or done, 
 from __future__ import annotations
 
 import abc
+import logging
 import time
 
 from schemas.base import decode
 from schemas.task import Task
+from services.common.errors import SchemaError
 from services.common.idempotency import redis_transient
+
+log = logging.getLogger(__name__)
 
 DONE_RETENTION_S = 7 * 86_400  # longer than any redelivery: a done key is needed only until its offset commits
 
@@ -86,9 +90,18 @@ class RedisLedger(Ledger):
                 await pipe.execute()
 
     async def pending(self) -> list[tuple[str, Task]]:
+        """Pending entries; one that no longer parses is logged and skipped (left in Redis for a person), so it
+        cannot stop the runner from starting."""
         with redis_transient("rollout ledger"):
             raw = await self.client.hgetall(self.pending_key)
-        return sorted((k.decode(), decode(Task, v)) for k, v in raw.items())
+        out = []
+        for k, v in sorted(raw.items()):
+            try:
+                out.append((k.decode(), decode(Task, v)))
+            except SchemaError as exc:
+                log.error("rollout ledger %s: entry %r is not a task, skipped and left in place: %s",
+                          self.pending_key, k, exc)
+        return out
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -37,15 +37,20 @@ def tasks():
     ({"type": "rl", "max_steps_off_policy": -1}, "max_steps_off_policy"),
     ({"type": "rl", "loss": "reinforce"}, "loss"),
     ({"type": "rl", "hint_mode": "reward"}, "hint_mode"),  # another kind's knob
+    ({"type": "rl", "resample_uniform": -1}, "resample_uniform"),
+    ({"type": "rl", "micro_batch_rows": 0}, "micro_batch_rows"),
 ])
 def test_bad_rl_settings_name_the_field(run, needle):
     with pytest.raises(ValidationError, match=needle):
         TrainerSettings(run=run)
 
 
-def test_the_cli_refuses_bad_rl_settings_with_exit_2(capsys):
-    assert trainer_main(["--kind", "rl", "--groups-per-batch", "0"]) == 2
-    assert "groups_per_batch" in capsys.readouterr().err
+@pytest.mark.parametrize("flag, value, field", [("--groups-per-batch", "0", "groups_per_batch"),
+                                                ("--micro-batch-rows", "0", "micro_batch_rows"),
+                                                ("--resample-uniform", "-1", "resample_uniform")])
+def test_the_cli_refuses_bad_rl_settings_with_exit_2(capsys, flag, value, field):
+    assert trainer_main(["--kind", "rl", flag, value]) == 2
+    assert field in capsys.readouterr().err
 
 
 def test_rl_without_tasks_or_a_publisher_is_a_config_error(tasks, tmp_path):
