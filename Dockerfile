@@ -22,6 +22,8 @@ COPY pyproject.toml README.md ./
 COPY schemas ./schemas
 COPY services ./services
 RUN pip install '.[train]'
+# The embedded default's test collections (compose mounts the checkout's copy over it).
+COPY data ./data
 
 RUN useradd --create-home --uid 10001 fanroute \
     && mkdir -p /cache && chown fanroute /cache
@@ -29,7 +31,8 @@ USER fanroute
 
 ENV FANROUTE_HOST=0.0.0.0 \
     FANROUTE_PORT=8000 \
-    FANROUTE_CACHE_DIR=/cache
+    FANROUTE_CACHE_DIR=/cache \
+    FANROUTE_COLLECTIONS_DIR=/app/data/collections
 EXPOSE 8000
 
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=6 \

@@ -33,7 +33,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
     sub = p.add_subparsers(dest="cmd", required=True)
     owner = {}
     for name, (module, help_text) in SERVICES.items():
-        sub.add_parser(name, help=help_text)
+        sub.add_parser(name, help=help_text, add_help=False)  # listed here; main() hands its argv over
         owner[name] = module
     for module in COMMANDS:
         before = set(sub.choices)
@@ -43,11 +43,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SERVICES:  # a service parses its own command line (--help, --show-settings)
+        return importlib.import_module(SERVICES[argv[0]][0]).main(argv[1:], prog=f"fanroute {argv[0]}")
     parser, owner = _parser()
     args = parser.parse_args(argv)
     module = importlib.import_module(owner[args.cmd])
-    if args.cmd in SERVICES:
-        return module.main()
     from services.common.logging import setup_logging
 
     setup_logging("WARNING")

@@ -15,8 +15,8 @@ async def run(settings: EpisodeSettings) -> None:
     await consume(settings)
 
 
-def main() -> int:
-    return service_main("episodes", EpisodeSettings, run)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return service_main("episodes", EpisodeSettings, run, argv=argv, description=__doc__, prog=prog)
 
 
 if __name__ == "__main__":

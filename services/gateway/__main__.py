@@ -8,8 +8,8 @@ from services.common.entry import app_main
 from services.gateway.settings import GatewaySettings
 
 
-def main() -> int:
-    return app_main("gateway", GatewaySettings, "services.gateway.app")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return app_main("gateway", GatewaySettings, "services.gateway.app", argv=argv, description=__doc__, prog=prog)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.topics import topic
 from schemas.trace import Candidate, Route, Signals
+from services.common import paths
 from services.common.bus import Bus
 from services.common.http import BodyLimit, lifespan_of
 from services.common.http import error as error_response
@@ -152,7 +153,7 @@ def build_gateway(settings: GatewaySettings, *, bus: Bus | None = None, provider
     """Wire a gateway from settings; tests may hand in their own bus, providers, stamps or router client."""
     if providers is None:
         providers = [build_provider(cfg, collections_dir=settings.collections_dir,
-                                    cache_dir=settings.cache_dir)
+                                    cache_dir=paths.index_dir(settings.cache_dir))
                      for cfg in settings.providers if cfg.enabled]
     return Gateway(settings, bus or Bus(settings.kafka, client_id="fanroute-gateway"), providers,
                    stamps=stamps, router_client=router_client)

@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 from schemas.topics import topic
 from schemas.trace import Trace
+from services.common import paths
 from services.common.bus import Bus, transient_delay
 from services.common.spool import Spool, SpoolError, SpoolRecord, SpoolUnavailable
 from services.gateway.metrics import GatewayMetrics
@@ -35,8 +36,8 @@ DRAIN_BATCH = 64  # records re-published concurrently (sent in spool order)
 
 
 def default_spool_dir(cache_dir: Path | None) -> Path:
-    """``<cache_dir>/spool`` when the gateway has a cache dir, else ``~/.cache/fanroute/spool``."""
-    return (cache_dir if cache_dir is not None else Path.home() / ".cache" / "fanroute") / "spool"
+    """``<cache_dir>/spool`` (``cache_dir`` defaults to :func:`services.common.paths.cache_root`)."""
+    return paths.spool_dir(cache_dir)
 
 
 class TraceOutbox:

@@ -76,7 +76,8 @@ class GatewaySettings(ServiceSettings):
     providers_file: Path | None = Field(default=None,
                                         description="TOML/JSON file with a [[providers]] list; overrides")
     collections_dir: Path | None = Field(default=None, description="Test collections root")
-    cache_dir: Path | None = Field(default=None, description="Index cache root")
+    cache_dir: Path | None = Field(default=None, description="Root of the caches: indexes in <cache_dir>/indexes, "
+                                     "the spool in <cache_dir>/spool (default: services.common.paths.cache_root)")
     deadline_s: float = Field(default=10.0, gt=0, le=300, description="Overall fan-out deadline")
     contested_threshold: float = Field(default=0.1, ge=0, le=1,
                                        description="Mean citation overlap below this is contested")
@@ -93,8 +94,8 @@ class GatewaySettings(ServiceSettings):
         description="How long a request waits for Kafka to acknowledge its trace; past it the trace is "
                     "spooled locally (answered trace_status=spooled) and re-published in the background")
     spool_dir: Path | None = Field(
-        default=None, description="Directory of the trace spool (outbox); default <cache_dir>/spool, else "
-                                  "~/.cache/fanroute/spool. One gateway per directory (it is locked)")
+        default=None, description="Directory of the trace spool (outbox); default <cache_dir>/spool "
+                                  "(see services.common.paths). One gateway per directory (it is locked)")
     spool_max_bytes: int = Field(default=256 << 20, ge=4096, le=1 << 40,
                                  description="Most bytes of spooled traces; past it a trace Kafka does not "
                                              "acknowledge is answered 503 spool_full")

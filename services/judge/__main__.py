@@ -15,7 +15,7 @@ async def run(settings: JudgeSettings) -> None:
     await consume(settings)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     def load() -> JudgeSettings:
         from services.judge.guard import guard
 
@@ -23,7 +23,8 @@ def main() -> int:
         guard(settings)
         return settings
 
-    return service_main("judge", load, run, refusal="refusing to start")
+    return service_main("judge", load, run, refusal="refusing to start", argv=argv, settings_cls=JudgeSettings,
+                        description=__doc__, prog=prog)
 
 
 if __name__ == "__main__":

@@ -42,8 +42,8 @@ class LocalJudgeConfig(BaseModel):
     top_sources: int = Field(default=5, ge=1, le=50,
                              description="Sources per candidate that count (rank-discounted)")
     embedding_cache: Literal["disk", "off"] = Field(
-        default="disk", description="Keep source embeddings in ~/.cache/fanroute/judge (or "
-                                    "$FANROUTE_JUDGE_CACHE_DIR) so a document is embedded once")
+        default="disk", description="Keep source embeddings in $FANROUTE_JUDGE_CACHE_DIR "
+                                    "(default <cache>/judge, see services.common.paths) so a document is embedded once")
 
     @field_validator("thresholds")
     @classmethod

@@ -14,7 +14,7 @@ def _add_actions(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="action", required=True)
     p = actions.add_parser("prepare", help=f"cache {DEFAULT_BASE} from the installed GGUF as safetensors")
     p.add_argument("--dir", type=Path, default=None,
-                   help=f"target directory (default ${MODELS_DIR_ENV}/{DEFAULT_BASE} or ~/.cache/fanroute/models/...)")
+                   help=f"target directory (default ${MODELS_DIR_ENV}/{DEFAULT_BASE}; see services.common.paths)")
     p.add_argument("--force", action="store_true", help="rebuild even if present")
 
 

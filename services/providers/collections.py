@@ -1,6 +1,6 @@
 """Loading the local IR test collections: corpora, queries, qrels, content hashes and doc URLs.
 
-Layout per collection (see ``shared/data/collections/MANIFEST.md``): ``<name>/corpus.jsonl`` or
+Layout per collection (see ``data/collections/MANIFEST.md``): ``<name>/corpus.jsonl`` or
 ``<name>/corpus.jsonl.gz``, ``<name>/queries.jsonl`` and ``<name>/qrels.tsv``.
 """
 
@@ -18,9 +18,10 @@ from typing import IO
 from urllib.parse import quote, unquote
 
 from services.common.errors import ConfigError
+from services.common import paths
 from services.providers.config import ALL_COLLECTIONS
 
-COLLECTIONS_DIR_ENV = "FANROUTE_COLLECTIONS_DIR"
+COLLECTIONS_DIR_ENV = paths.COLLECTIONS_DIR_ENV
 URL_SCHEME = "collection://"
 _CORPUS_FILES = ("corpus.jsonl", "corpus.jsonl.gz")
 
@@ -58,18 +59,13 @@ class DocRef:
 
 
 def default_collections_dir() -> Path:
-    """The collections folder: ``$FANROUTE_COLLECTIONS_DIR``, else ``shared/data/collections`` by the repo.
-
-    The repo root is found from this file's location, so it works from any working directory.
-    """
-    env = os.environ.get(COLLECTIONS_DIR_ENV)
-    if env:
-        path = Path(env).expanduser()
+    """The collections folder: ``$FANROUTE_COLLECTIONS_DIR``, else the copy bundled in the repository
+    (``data/collections``; see :mod:`services.common.paths`)."""
+    path = paths.collections_dir()
+    if os.environ.get(COLLECTIONS_DIR_ENV):
         source = f"${COLLECTIONS_DIR_ENV}"
     else:
-        repo_root = Path(__file__).resolve().parents[2]
-        path = repo_root.parent / "shared" / "data" / "collections"
-        source = "the default location"
+        source = "the copy bundled in the repository"
     if not path.is_dir():
         raise ConfigError(f"collections folder {path} (from {source}) does not exist; "
                           f"set {COLLECTIONS_DIR_ENV} to the folder holding <name>/corpus.jsonl")

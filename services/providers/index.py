@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from services.common import paths
 from services.common.errors import ConfigError
 from services.providers.collections import Doc
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "FANROUTE_CACHE_DIR"
+CACHE_DIR_ENV = paths.CACHE_DIR_ENV
 FORMAT_VERSION = 1
 META_FILE = "meta.json"
 DOCS_FILE = "docs.json"
@@ -54,9 +55,8 @@ Params = Mapping[str, str | int | float | bool]
 
 
 def default_cache_dir() -> Path:
-    """The index cache folder: ``$FANROUTE_CACHE_DIR``, else ``~/.cache/fanroute/indexes``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "fanroute" / "indexes"
+    """The index cache folder: ``<cache>/indexes`` (:func:`services.common.paths.index_dir`)."""
+    return paths.index_dir()
 
 
 @dataclass(frozen=True)

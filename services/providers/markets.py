@@ -43,7 +43,7 @@ MarketName = Literal["federated", "nested"]
 MARKETS: tuple[MarketName, ...] = ("federated", "nested")
 DEFAULT_MARKET: MarketName = "federated"
 
-#: The domains of ``shared/data/collections/MANIFEST.md`` (its "clearly distinct domains"), each
+#: The domains of ``data/collections/MANIFEST.md`` (its "clearly distinct domains"), each
 #: with the collections that belong to it.
 DOMAINS: dict[str, tuple[str, ...]] = {
     "aero": ("cranfield",),

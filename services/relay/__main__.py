@@ -8,8 +8,8 @@ from services.common.entry import app_main
 from services.relay.settings import RelaySettings
 
 
-def main() -> int:
-    return app_main("relay", RelaySettings, "services.relay.app")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return app_main("relay", RelaySettings, "services.relay.app", argv=argv, description=__doc__, prog=prog)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from pydantic import Field, SecretStr, model_validator
 
+from services.common import paths
 from services.common.settings import ServiceSettings
 
-DEFAULT_BASE_MODEL = Path.home() / ".cache" / "fanroute" / "models" / "SmolLM2-135M-Instruct"
 
 
 class RelaySettings(ServiceSettings):
@@ -22,8 +21,9 @@ class RelaySettings(ServiceSettings):
                              description="Base URL of the sampler (CPU sampler or vLLM) whose /v1/completions "
                                          "the relay calls with token ids")
     sampler_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="Timeout of one sampler call")
-    tokenizer: str = Field(default=str(DEFAULT_BASE_MODEL), min_length=1,
-                           description="Hugging Face directory of the policy's tokenizer (the sampler's base model)")
+    tokenizer: str = Field(default_factory=lambda: str(paths.default_base_dir()), min_length=1,
+                           description="Hugging Face directory of the policy's tokenizer (the sampler's base model); "
+                                       "default: the embedded SmolLM2 in $FANROUTE_MODELS_DIR")
     renderer: str = Field(default="template", pattern=r"^[a-z0-9_-]{1,32}$",
                           description="The policy's renderer: 'template' (the tokenizer's chat template) or a "
                                       "model family of services.common.prompt.RENDERERS ('chatml')")

@@ -26,8 +26,9 @@ async def run(settings: RolloutSettings) -> None:
     await consume(settings)
 
 
-def main() -> int:
-    return service_main("rollouts", load, run)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return service_main("rollouts", load, run, argv=argv, settings_cls=RolloutSettings, description=__doc__,
+                        prog=prog)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ from services.common.entry import app_main
 from services.sampler.settings import SamplerSettings
 
 
-def main() -> int:
-    return app_main("sampler", SamplerSettings, "services.sampler.app")
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    return app_main("sampler", SamplerSettings, "services.sampler.app", argv=argv, description=__doc__, prog=prog)
 
 
 if __name__ == "__main__":

@@ -7,10 +7,9 @@ from pathlib import Path
 
 from pydantic import Field
 
+from services.common import paths
 from services.common.settings import ServiceSettings
 
-DEFAULT_BASE_MODEL = Path.home() / ".cache" / "fanroute" / "models" / "SmolLM2-135M-Instruct"
-DEFAULT_ADAPTER_CACHE = Path.home() / ".cache" / "fanroute" / "sampler" / "adapters"
 
 
 class SamplerSettings(ServiceSettings):
@@ -18,8 +17,10 @@ class SamplerSettings(ServiceSettings):
 
     host: str = Field(default="127.0.0.1", description="Listen address")
     port: int = Field(default=8001, ge=0, le=65535, description="Listen port (0 = any free port)")
-    base_model: str = Field(default=str(DEFAULT_BASE_MODEL), min_length=1,
-                            description="Hugging Face directory (or hub id, where weights are cached) of the base LM")
+    base_model: str = Field(default_factory=lambda: str(paths.default_base_dir()), min_length=1,
+                            description="Hugging Face directory (or hub id, where weights are cached) of the base LM; "
+                                        "default: the embedded SmolLM2 in $FANROUTE_MODELS_DIR (see "
+                                        "services.common.paths; `fanroute models prepare` makes it)")
     served_model_name: str | None = Field(default=None, min_length=1, max_length=256,
                                           description="Model id of the base in the API; default: base_model as given")
     dtype: str = Field(default="float32", pattern=r"^(float32|bfloat16|float16)$", description="Weights dtype")
@@ -52,8 +53,9 @@ class SamplerSettings(ServiceSettings):
                                        description="LoRA adapters held in memory at once (vLLM: --max-loras)")
     max_lora_rank: int = Field(default=64, ge=1, le=1024,
                                description="Largest LoRA rank accepted (vLLM: --max-lora-rank)")
-    adapter_cache_dir: Path = Field(default=DEFAULT_ADAPTER_CACHE,
-                                    description="Where pulled adapter versions are kept (<model_id>/<version>/)")
+    adapter_cache_dir: Path = Field(default_factory=paths.adapter_cache_dir,
+                                    description="Where pulled adapter versions are kept (<model_id>/<version>/); "
+                                                "default <cache>/sampler/adapters (see services.common.paths)")
     publisher_url: str | None = Field(
         default=None, min_length=1,
         description="Publisher base URL (e.g. http://publisher:8010): pull through its client, and fetch "

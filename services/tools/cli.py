@@ -1,4 +1,4 @@
-"""``fanroute demo``, ``replay``, ``traces``, ``stack`` and ``market``: the commands that compose services."""
+"""``fanroute demo``, ``doctor``, ``replay``, ``traces``, ``stack`` and ``market``: the commands that compose services."""
 
 from __future__ import annotations
 
@@ -29,6 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the provider market (default: FANROUTE_MARKET, else federated); nested is the control "
                         "where routing cannot pay, judged by the lexical local judge unless FANROUTE_JUDGE is set")
     d.set_defaults(func=_demo)
+
+    doc = sub.add_parser("doctor", help="check what this machine has and lacks (Java, redis-server, bubblewrap, "
+                                        "the model, caches, disk, memory, ports) and say what to run")
+    doc.add_argument("--json", action="store_true", help="print the findings as JSON")
+    doc.set_defaults(func=_doctor)
 
     r = sub.add_parser("replay", help="send the collections' queries through a running gateway")
     r.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
@@ -127,6 +132,12 @@ def _demo(args: argparse.Namespace) -> int:
         return asyncio.run(run_demo(opts))
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from services.tools.doctor import main
+
+    return main(as_json=args.json)
 
 
 def _replay(args: argparse.Namespace) -> int:

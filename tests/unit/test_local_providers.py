@@ -241,8 +241,9 @@ def test_ensure_index_holds_file_lock_while_building(tmp_path: Path) -> None:
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("FANROUTE_CACHE_DIR", str(tmp_path))
-    assert idx.default_cache_dir() == tmp_path
+    assert idx.default_cache_dir() == tmp_path / "indexes"
     monkeypatch.delenv("FANROUTE_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert idx.default_cache_dir() == Path.home() / ".cache" / "fanroute" / "indexes"
 
 

@@ -25,6 +25,8 @@ def test_models_dir_env_overrides_the_cache(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv(prepare.MODELS_DIR_ENV, str(tmp_path))
     assert prepare.default_base_dir() == tmp_path / "SmolLM2-135M-Instruct"
     monkeypatch.delenv(prepare.MODELS_DIR_ENV)
+    monkeypatch.delenv("FANROUTE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert prepare.default_base_dir() == Path.home() / ".cache/fanroute/models/SmolLM2-135M-Instruct"
 
 

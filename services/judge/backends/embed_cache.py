@@ -9,7 +9,6 @@ key, never a stale vector.
 from __future__ import annotations
 
 import hashlib
-import os
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
@@ -17,16 +16,15 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common import paths
 from services.common.errors import ConfigError
 
-CACHE_DIR_ENV = "FANROUTE_JUDGE_CACHE_DIR"
+CACHE_DIR_ENV = paths.JUDGE_CACHE_DIR_ENV
 
 
 def default_cache_path() -> Path:
-    """``$FANROUTE_JUDGE_CACHE_DIR/embeddings.sqlite``, else ``~/.cache/fanroute/judge/embeddings.sqlite``."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    root = Path(env).expanduser() if env else Path.home() / ".cache" / "fanroute" / "judge"
-    return root / "embeddings.sqlite"
+    """``<judge cache>/embeddings.sqlite`` (:func:`services.common.paths.judge_cache_dir`)."""
+    return paths.judge_cache_dir() / "embeddings.sqlite"
 
 
 class EmbeddingCache:
