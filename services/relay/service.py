@@ -45,7 +45,9 @@ class Outcome:
 def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from services.models.load import require_local
+
+    return AutoTokenizer.from_pretrained(require_local(path, "FANROUTE_TOKENIZER"))
 
 
 def disposition(prompt_ids: list[int], previous: Call | None) -> str:

@@ -68,12 +68,12 @@ class Engine:
         import torch
         from transformers import AutoTokenizer
 
-        from services.models.load import load_causal_lm
+        from services.models.load import load_causal_lm, require_local
 
         if threads:
             torch.set_num_threads(threads)
         t0 = time.perf_counter()
-        self.model_dir = str(model_dir)
+        self.model_dir = require_local(model_dir)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         self.model = load_causal_lm(self.model_dir, getattr(torch, dtype)).eval()
         self._peft: Any = None  # peft.PeftModel wrapping self.model once the first adapter is loaded

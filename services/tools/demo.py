@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -24,6 +25,7 @@ from services.providers.collections import default_collections_dir, sample_queri
 from services.tools.replay import replay
 from services.tools.report import render, score_traces, write_report
 from services.tools.serving import free_port, served
+from services.tools.steps import step
 from services.tools.traces import format_trace, read_traces
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,14 +54,33 @@ DEMO_STACK = REPO / ".stack" / "demo"
 
 
 async def run_demo(opts: DemoOptions) -> int:
-    """Run the demo; returns a process exit code."""
+    """Run the demo; returns a process exit code. The doctor runs first; a failed step is one line
+    naming the step, why, and the log file (``<out>/demo.log`` holds every record and traceback)."""
+    from services.tools import doctor, steps
+
+    steps.reset()
+    findings = doctor.run_checks()
+    if doctor.blocking(findings):
+        print("fanroute demo: this machine is not ready (fanroute doctor):\n" + doctor.render(findings), flush=True)
+        return 1
+    log_file = opts.out_dir / "demo.log"
+    with steps.logged_to(log_file):
+        print(f"fanroute demo: doctor ok; full log in {log_file}", flush=True)
+        try:
+            return await _run_demo(opts)
+        except Exception as exc:  # noqa: BLE001 - one actionable line; the traceback is in the log file
+            print(steps.failure_line(exc, log_file), file=sys.stderr, flush=True)
+            return 1
+
+
+async def _run_demo(opts: DemoOptions) -> int:
     import devstack as stack
 
     started_stack = False
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or os.environ.get("FANROUTE_KAFKA__BOOTSTRAP_SERVERS")
     redis_url = os.environ.get("REDIS_URL") or os.environ.get("FANROUTE_REDIS__URL") or "memory://"
     if not bootstrap:
-        print(f"[1/{STEPS}] starting Apache Kafka (KRaft) and redis-server on loopback ...", flush=True)
+        step(1, STEPS, "starting Apache Kafka (KRaft) and redis-server on loopback ...")
         # Always on empty broker storage: a previous run's `adapters` records name versions (router@1, ...)
         # that this run's fresh Redis numbers again, and a new sampler would fetch those from a dead publisher.
         stack.down(DEMO_STACK, wipe=True)
@@ -81,8 +102,8 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
     from services.gateway.settings import GatewaySettings
 
     settings = GatewaySettings(kafka=kafka, port=free_port())
-    print(f"[2/{STEPS}] starting the gateway (fan-out mode) with providers {[p.name for p in settings.providers]}"
-          " (indexes are built once and cached; the first run builds them) ...", flush=True)
+    step(2, STEPS, f"starting the gateway (fan-out mode) with providers {[p.name for p in settings.providers]}"
+         " (indexes are built once and cached; the first run builds them) ...")
     t0 = time.perf_counter()
     async with served(create_app(settings), settings.port, what="gateway") as url:
         print(f"      gateway ready at {url} in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -103,8 +124,8 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
 async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[list[Trace], int]:
     queries = sample_queries(limit=opts.queries, seed=opts.seed)
     since = datetime.now(UTC)
-    print(f"[3/{STEPS}] replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
-          "traces as they land on the Kafka topic:", flush=True)
+    step(3, STEPS, f"replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
+         "traces as they land on the Kafka topic:")
     traces: list[Trace] = []
 
     async def watch() -> None:
@@ -125,7 +146,7 @@ async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[l
         print(f"      mean citation overlap p10/p50/p90 = {ov[0]:.2f}/{ov[1]:.2f}/{ov[2]:.2f}; "
               f"contested (below {traces[0].signals.contested_threshold:g}): {n_contested}/{len(traces)}")
     rows = score_traces(traces, default_collections_dir())
-    print(f"[4/{STEPS}] {len(traces)} traces read back from Kafka\n" + render(rows, len(traces)), flush=True)
+    step(4, STEPS, f"{len(traces)} traces read back from Kafka\n" + render(rows, len(traces)))
     jpath, ppath = write_report(rows, opts.out_dir)
     print(f"report: {jpath}\nplot:   {ppath}")
     return traces, 0 if summary.ok == len(queries) and len(traces) == len(queries) else 1
@@ -157,8 +178,8 @@ async def _judge(kafka: KafkaSettings, redis_url: str, traces: list[Trace], prov
     backend = build_backend(settings.judge)
     wanted = {verdict_id(t.trace_id, backend, backend.rubric) for t in traces
               if sample_reason(t, settings.sample_rate) is not None}
-    print(f"[5/{STEPS}] judging: {len(wanted)} of {len(traces)} traces sampled (every contested one, "
-          f"{settings.sample_rate:.0%} of the rest) by {backend.identity.model}", flush=True)
+    step(5, STEPS, f"judging: {len(wanted)} of {len(traces)} traces sampled (every contested one, "
+         f"{settings.sample_rate:.0%} of the rest) by {backend.identity.model}")
     since = min((t.received_at for t in traces), default=None)
     await ensure_topics(kafka, [(n, topic(n)) for n in ("verdicts", "episodes", "tasks")])  # before reading
     stop = asyncio.Event()

@@ -22,6 +22,7 @@ from services.common.dataset import write_jsonl
 from services.common.settings import KafkaSettings, RedisSettings
 from services.router.policy import in_hashed_share
 from services.tools.serving import free_port, served
+from services.tools.steps import step
 
 MODEL_ID = "router"
 
@@ -80,7 +81,7 @@ def split(traces: list[Trace], episodes: list[Episode], fraction: float, out_dir
 
 
 async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, gateway_settings, out_dir: Path,
-                            opts: LoopOptions, step: int, steps: int) -> int:
+                            opts: LoopOptions, first: int, steps: int) -> int:
     """Train → publish → (sampler) → eval → promote-if-better → routed traffic; returns an exit code."""
     from services.publisher.app import create_app as publisher_app
     from services.publisher.settings import PublisherSettings
@@ -94,20 +95,19 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
     pub = PublisherSettings(kafka=kafka, redis=redis, port=pport, storage_dir=store,
                             public_url=f"http://127.0.0.1:{pport}")
     async with served(publisher_app(pub), pport, what="publisher") as publisher_url:
-        print(f"[{step}/{steps}] training the student: LoRA SFT of SmolLM2-135M-Instruct on {data.n_train} "
-              f"episodes (CPU, one pass), then publishing it to {publisher_url}", flush=True)
+        step(first, steps, f"training the student: LoRA SFT of SmolLM2-135M-Instruct on {data.n_train} "
+                           f"episodes (CPU, one pass), then publishing it to {publisher_url}")
         result = await asyncio.to_thread(_train, kafka, redis, data.train_file, publisher_url, out_dir, opts)
         candidate = f"{MODEL_ID}@{result.published['version']}"
         samp = SamplerSettings(kafka=kafka, redis=redis, port=sport, publisher_url=publisher_url,
                                adapter_cache_dir=out_dir / "sampler-cache", group_id=f"demo-sampler-{sport}")
         async with served(sampler_app(samp), sport, what="sampler") as sampler_url:
-            print(f"[{step + 1}/{steps}] evaluating {candidate} (served by the CPU sampler at {sampler_url}) on "
-                  f"{len(data.held_out)} held-out queries against the deployed router, the best single "
-                  "provider, the oracle and fan-out", flush=True)
+            step(first + 1, steps, f"evaluating {candidate} (served by the CPU sampler at {sampler_url}) on "
+                                   f"{len(data.held_out)} held-out queries against the deployed router, the best "
+                                   "single provider, the oracle and fan-out")
             report, decision = await _evaluate_and_promote(kafka, data, candidate, publisher_url, sampler_url,
                                                            gateway_settings.providers, out_dir, opts)
-            print(f"[{step + 2}/{steps}] routed traffic: the gateway in routed mode over the held-out queries",
-                  flush=True)
+            step(first + 2, steps, "routed traffic: the gateway in routed mode over the held-out queries")
             if not decision.promoted:
                 print(f"      {candidate} was not promoted and nothing was before it: outside the fan-out slice the "
                       f"best single provider ({report.inputs.best_single.provider}) answers, counted as "

@@ -113,3 +113,20 @@ def test_check_weights_refuses_an_untied_or_empty_output_layer(tiny: Path) -> No
     model.lm_head.weight = torch.nn.Parameter(torch.empty_like(model.lm_head.weight, device="meta"))
     with pytest.raises(PrepareError, match="no data"):
         check_weights(model)
+
+
+def test_a_missing_model_directory_says_what_to_run(tmp_path, monkeypatch) -> None:
+    """The newcomer's crash: the sampler's default directory not prepared yet -> an actionable ConfigError."""
+    from services.common import paths
+    from services.common.errors import ConfigError
+    from services.models.load import require_local
+
+    monkeypatch.setenv(paths.MODELS_DIR_ENV, str(tmp_path / "models"))
+    with pytest.raises(ConfigError, match="fanroute models prepare"):
+        require_local(paths.default_base_dir())
+    with pytest.raises(ConfigError, match="set FANROUTE_TOKENIZER"):
+        require_local(tmp_path / "elsewhere", "FANROUTE_TOKENIZER")
+    assert require_local("org/some-model") == "org/some-model"  # a hub id is transformers' to resolve
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    assert require_local(tmp_path / "m") == str(tmp_path / "m")
