@@ -1,4 +1,4 @@
-"""``fanroute asyncapi``: write the AsyncAPI document of the topics (see services.common.asyncapi)."""
+"""``fanroute asyncapi`` and ``fanroute topology``: the topics as an AsyncAPI document and as a picture."""
 
 from __future__ import annotations
 
@@ -21,9 +21,35 @@ def add_parser(sub) -> None:
     a = sub.add_parser("asyncapi", help="write the AsyncAPI document of every topic (producers, consumers, "
                                         "message schemas) to docs/asyncapi.json")
     _arguments(a)
+    t = sub.add_parser("topology", help="draw the services and topics (Mermaid, from the topic registry) into "
+                                        "README.md and docs/architecture.md")
+    t.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page holds an old picture")
+    t.add_argument("--print", dest="show", action="store_true", help="print the Mermaid block instead")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.cmd == "topology":
+        return _topology(args)
+    return _asyncapi(args)
+
+
+def _topology(args: argparse.Namespace) -> int:
+    from services.common import topology
+
+    if args.show:
+        print(topology.block())
+        return 0
+    if args.check:
+        stale = topology.stale_pages()
+        for page in stale:
+            print(f"{page} holds an old architecture picture: run `fanroute topology`", file=sys.stderr)
+        return 1 if stale else 0
+    changed = topology.write_pages()
+    print("updated " + ", ".join(map(str, changed)) if changed else "every page is current")
+    return 0
+
+
+def _asyncapi(args: argparse.Namespace) -> int:
     from services.common.asyncapi import document, render_json, render_yaml
 
     doc = document()
@@ -53,4 +79,4 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m services.common.asyncapi``."""
     p = argparse.ArgumentParser(prog="python -m services.common.asyncapi", description=__doc__)
     _arguments(p)
-    return run(p.parse_args(argv))
+    return _asyncapi(p.parse_args(argv))
