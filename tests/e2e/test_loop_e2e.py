@@ -1,17 +1,28 @@
-"""The demo's loop on the real broker and redis-server: fan-out, judge, episodes, SFT, eval and promotion decision, each record exactly once under content-derived ids."""
+"""The demo's loop on the real broker and redis-server: fan-out, judge, episodes, SFT, eval and promotion
+decision, each record exactly once under content-derived ids — on a *fresh machine*: ``HOME`` and every
+cache variable point at empty folders, no ``FANROUTE_BASE_MODEL``, the bundled collections.
+
+Why the fresh machine: the demo once crashed for newcomers after training (the sampler's default model
+path ignored ``$FANROUTE_MODELS_DIR``) while every test passed, because the tests' machines had a
+prepared model in their home cache. Here the base model exists only where ``$FANROUTE_MODELS_DIR`` says
+(the tiny model standing in for the prepared SmolLM2), so any default that looks elsewhere fails.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import uuid
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 
 from schemas import AdapterPublished, Episode, Task, Trace, Verdict, topic
 from schemas.calibration import CalibrationRecord
+from services.common import paths
 from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
 from services.common.stamps import parse_promoted, promoted_key
@@ -40,20 +51,37 @@ async def _records(kafka: KafkaSettings, name: str, model) -> list:
     return [m async for m in read_topic(kafka, topic(name), model=model, strict=True)]
 
 
-async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_machine(tmp_path, monkeypatch) -> dict[str, Path]:
+    """HOME and each cache variable at distinct empty folders; no other FANROUTE_ setting but the
+    session's spool; the tiny model "prepared" where $FANROUTE_MODELS_DIR says, and nowhere else."""
+    for name in [n for n in os.environ if n.startswith("FANROUTE_") and n != "FANROUTE_SPOOL_DIR"]:
+        monkeypatch.delenv(name)  # the embedded default: the federated market, the bundled collections
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    folders = {name: tmp_path / "machine" / name.lower() for name in
+               ("HOME", paths.CACHE_DIR_ENV, paths.MODELS_DIR_ENV, paths.JUDGE_CACHE_DIR_ENV)}
+    for name, folder in folders.items():
+        folder.mkdir(parents=True)
+        monkeypatch.setenv(name, str(folder))
+    build_tiny_model(paths.default_base_dir())
+    assert paths.default_base_dir().is_relative_to(folders[paths.MODELS_DIR_ENV])
+    return folders
+
+
+async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_path, monkeypatch, fresh_machine):
     ns = f"e2e{uuid.uuid4().hex[:8]}."
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns)
-    for var in ("FANROUTE_PROVIDERS", "FANROUTE_PROVIDERS_FILE", "FANROUTE_MARKET"):
-        monkeypatch.delenv(var, raising=False)  # the embedded default: the federated market
     monkeypatch.setenv("FANROUTE_JUDGE", '{"type": "local"}')  # the lexical local judge: no embedding model
-    base = build_tiny_model(tmp_path / "base")
-    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(base))  # the trainer's and the sampler's base
     out = tmp_path / "demo"
 
     # The demo's own code path after its stack start-up (the session's broker and Redis stand in for it),
     # on a fresh topic namespace so every record read back below is this run's.
     code = await demo_on(DemoOptions(queries=QUERIES, out_dir=out, held_out_fraction=HELD_OUT), kafka, redis_url)
     assert code == 0
+
+    # the fresh machine: indexes built where $FANROUTE_CACHE_DIR says, nothing of ours under HOME
+    assert any((fresh_machine[paths.CACHE_DIR_ENV] / "indexes").iterdir())
+    assert not (fresh_machine["HOME"] / ".cache" / "fanroute").exists()
 
     queries = {q.query_id for q in sample_queries(limit=QUERIES, seed=0)}
     held = {q for q in queries if held_out(q, HELD_OUT)}
@@ -105,7 +133,7 @@ async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_p
     assert len(steps) >= 2 and all(math.isfinite(m["loss"]) for m in steps)
     assert [m["steps"] for m in metrics if m.get("event") == "end"] == [len(steps)]
     adapters = await _records(kafka, "adapters", AdapterPublished)
-    assert [(a.model_id, a.version, a.base_model) for a in adapters if not a.promoted] == [(MODEL_ID, 1, str(base))]
+    assert [(a.model_id, a.version, a.base_model) for a in adapters if not a.promoted] == [(MODEL_ID, 1, paths.DEFAULT_BASE)]
 
     # evaluation on the held-out queries and the promotion rule's decision: the scoring router decides every
     # query (no fallbacks) and is drawn over λ on the cost-quality plane; the tiny random router cannot beat
