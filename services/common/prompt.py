@@ -81,6 +81,34 @@ def chat_messages(ep: Episode) -> list[dict[str, str]]:
     return msgs[:last + 1]
 
 
+#: What the assistant turn of a training example says (``fanroute train --target``): the judge's whole
+#: cost-aware ordering, only its first name (the decision the router is asked for), or its top tier.
+TARGETS = ("ordering", "first", "top-tier")
+
+
+def retarget(ep: Episode, target: str) -> Episode:
+    """``ep`` with its last assistant turn reduced to ``target`` (:data:`TARGETS`); an answer that does not
+    parse as an ordering, or ``ordering`` itself, leaves the episode as it is.
+
+    Why ``first``: the full ordering is mostly ties with a generalist (``aero = web-lexical > ...``), which
+    scores well against the judge's grades and says nothing about the one provider the gateway calls.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}; one of {', '.join(TARGETS)}")
+    if target == "ordering":
+        return ep
+    from services.common.ndcg import format_ordering, parse_ordering
+
+    last = max(i for i, m in enumerate(ep.messages) if m.role == "assistant")
+    try:
+        tiers = parse_ordering(ep.messages[last].content)
+    except ValueError:
+        return ep
+    text = tiers[0][0] if target == "first" else format_ordering([tiers[0]], keep_tier_order=True)
+    messages = (*ep.messages[:last], ep.messages[last].model_copy(update={"content": text}), *ep.messages[last + 1:])
+    return ep.model_copy(update={"messages": messages})
+
+
 @dataclass(frozen=True, order=True)
 class JudgeKey:
     """The judge half of a gate key, as far as an episode names it (model, rubric hash prefix)."""

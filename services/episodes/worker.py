@@ -66,7 +66,7 @@ class EpisodeBuilder:
         self.bus, self.state, self.done = bus, state, done
         self.metrics = BuilderMetrics()
         # One join at a time in this process: a trace and its verdict handled concurrently could
-        # each miss the other. (Run one replica; see the README.)
+        # each miss the other. (Run one replica; see docs/episodes.md.)
         self._lock = asyncio.Lock()
 
     async def on_trace(self, trace: Trace) -> None:

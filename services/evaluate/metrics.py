@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.evaluate.policies import BEST_SINGLE, ORACLE, ROUTERS, Outcome
+from services.evaluate.policies import BEST_SINGLE, LINEAR, ORACLE, ROUTERS, Outcome
 
 MEASURES = ("human", "judge")
 #: |difference| below this is a tie in paired comparisons (floating-point noise, not a win).
@@ -138,7 +138,8 @@ def summarise(outcomes: Mapping[str, Sequence[Outcome]], adapters: Mapping[str, 
                      for m in MEASURES}
             rows[p] = rows[p].model_copy(update={"oracle_gain_share": share})
     comparisons = []
-    for a, b in (("candidate", "deployed"), ("candidate", BEST_SINGLE), ("deployed", BEST_SINGLE)):
+    for a, b in (("candidate", "deployed"), ("candidate", BEST_SINGLE), ("candidate", LINEAR),
+                 ("deployed", BEST_SINGLE), (LINEAR, BEST_SINGLE)):
         if a in outcomes and b in outcomes:
             comparisons += [paired(a, b, m, outcomes[a], outcomes[b], seed=seed, resamples=resamples)
                             for m in MEASURES]

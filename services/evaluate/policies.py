@@ -19,8 +19,10 @@ FUSED = "rrf-fused"
 #: Policy names, in the order the report lists them.
 CANDIDATE, DEPLOYED, BEST_SINGLE, ORACLE, FANOUT = "candidate", "deployed", "best_single", "oracle", "fanout"
 JUDGE_ORACLE = "judge_oracle"
-POLICIES = (CANDIDATE, DEPLOYED, BEST_SINGLE, JUDGE_ORACLE, ORACLE, FANOUT)
-ROUTERS = (CANDIDATE, DEPLOYED)
+#: The linear router (TF-IDF + logistic regression) distilled from the same training episodes, in-process.
+LINEAR = "linear"
+POLICIES = (CANDIDATE, DEPLOYED, LINEAR, BEST_SINGLE, JUDGE_ORACLE, ORACLE, FANOUT)
+ROUTERS = (CANDIDATE, DEPLOYED, LINEAR)
 
 
 @dataclass(frozen=True)

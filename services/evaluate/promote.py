@@ -1,10 +1,13 @@
-"""The promotion rule: a candidate router is promoted only when it beats the deployed router and the
-best single provider on BOTH measures (the judge's grades and the humans' nDCG@10) on held-out data,
+"""The promotion rule: a candidate router is promoted only when it beats the deployed router, the
+best single provider and the linear router distilled from the same episodes on BOTH measures (the judge's grades and the humans' nDCG@10) on held-out data,
 decides fast enough, and does not cost more than the deployed router without paying for it.
 
 Four rules, each a :class:`Check` naming its rule:
-- ``quality``: candidate mean > baseline mean + ``min_gain`` for every (measure, baseline) pair; a
-  measure with no data (no held-out query has qrels, or the judge graded none) refuses;
+- ``quality``: candidate mean > baseline mean + ``min_gain`` for every (measure, baseline) pair, the
+  baselines being the best single provider, the deployed router and (when the report has it) the linear
+  router trained on the same episodes — an LM router that a linear classifier of its own labels beats
+  does not pay for itself; a measure with no data (no held-out query has qrels, or the judge graded none)
+  refuses;
 - ``latency``: the candidate's own decision time (the router call, not the providers) has p99 within
   ``max_router_p99_ms`` (when set);
 - ``reliability``: at most ``max_fallback_share`` of the held-out queries were answered by a fallback
@@ -24,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.evaluate.metrics import MEASURES
-from services.evaluate.policies import BEST_SINGLE, CANDIDATE, DEPLOYED
+from services.evaluate.policies import BEST_SINGLE, CANDIDATE, DEPLOYED, LINEAR
 from services.evaluate.report import EvalReport
 
 #: Exit status of ``fanroute promote`` when the rule refuses (0 = promoted, 2 = bad input, 1 = publisher failed).
@@ -37,7 +40,7 @@ class Check(BaseModel):
     model_config = ConfigDict(frozen=True)
     rule: Literal["quality", "latency", "reliability", "cost"] = "quality"
     measure: str
-    baseline: str = Field(description="best_single, deployed, or limit (latency)")
+    baseline: str = Field(description="best_single, deployed, linear, or limit (latency)")
     baseline_name: str | None = Field(description="The best single provider's or the deployed adapter's name")
     candidate_mean: float | None
     baseline_mean: float | None
@@ -93,6 +96,8 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
     baselines = [(BEST_SINGLE, i.best_single.provider)]
     if i.deployed is not None:
         baselines.append((DEPLOYED, i.deployed))
+    if LINEAR in report.policies:
+        baselines.append((LINEAR, report.policies[LINEAR].adapter))
     checks = []
     for measure in MEASURES:
         c = cand.measure(measure)

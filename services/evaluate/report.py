@@ -36,6 +36,9 @@ NOTES = {
                "unparseable) is answered by the best single provider and counted under fallbacks; "
                "latency = router time + the called providers' latencies in sequence; cost = their sum",
     "best_single": "the best single provider chosen on the training episodes only, with the same failover",
+    "linear": "TF-IDF (word 1-2 and character 3-5 grams) + logistic regression fitted on the training episodes' "
+              "queries and cost-aware first choices (C by 5-fold cross-validation on those episodes only), "
+              "deciding in-process by P(best) - λ · cost like the scoring router; router_ms is its decision time",
 }
 
 
@@ -73,6 +76,9 @@ class EvalInputs(BaseModel):
     max_attempts: int
     judge: JudgeRecord
     best_single: BestSingle
+    linear: dict[str, Any] | None = Field(default=None, description="The linear router: kind, C, cv accuracy, "
+                                                                      "training label counts")
+    cost_weight: float = Field(default=0.0, description="λ the router rows decide with")
     seed: int
     notes: dict[str, str] = Field(default_factory=lambda: dict(NOTES))
 
@@ -154,7 +160,7 @@ def render(report: EvalReport) -> str:
         lines.append(f"{_label(m, report):<28} {_num(m.human.mean, '.3f'):>8} {_num(m.judge.mean, '.2f'):>6} "
                      f"{m.calls_per_query:>8.2f} {m.cost_per_query_usd:>9.4f} {m.latency_p50_ms:>8.0f} "
                      f"{m.latency_p99_ms:>8.0f} {fb if m.adapter else '-':>9}")
-    for name in ("candidate", "deployed"):
+    for name in ("candidate", "deployed", "linear"):
         m = report.policies.get(name)
         if m is not None:
             share = ", ".join(f"{k} {_num(v, '.1%')}" for k, v in m.oracle_gain_share.items())

@@ -88,6 +88,10 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
     deployed, deployed_source, deployed_fallback = await asyncio.to_thread(resolve_deployed, opts)
     adapters = {pol.CANDIDATE: opts.candidate, **({pol.DEPLOYED: deployed} if deployed else {})}
     calls = await _ask_routers(opts, list(dict.fromkeys(adapters.values())), held.traces)
+    linear = await asyncio.to_thread(fit_linear, episodes, opts.seed)
+    if linear is not None:
+        adapters[pol.LINEAR] = LINEAR_NAME
+        calls[LINEAR_NAME] = linear_calls(linear, held.traces, opts.cost_weight)
     scored, judge = await _score(opts, settings, held.traces)
     outcomes, rows = replay(scored, adapters, calls, best.provider, opts.max_attempts)
     metrics, comparisons = summarise(outcomes, adapters, seed=opts.seed, resamples=opts.resamples)
@@ -101,9 +105,37 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         deployed_source=deployed_source, deployed_fallback_provider=deployed_fallback,
         router_url=opts.router_url, router_timeout_s=opts.router_timeout_s,
         router_max_tokens=opts.router_max_tokens, max_attempts=opts.max_attempts, judge=judge,
-        best_single=best, seed=opts.seed)
+        best_single=best, linear=linear.describe() if linear is not None else None, cost_weight=opts.cost_weight,
+        seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
                       queries=rows, frontier=curves)
+
+
+#: The linear router's name in the report (it is fitted here, not served).
+LINEAR_NAME = "linear:tfidf-logreg"
+
+
+def fit_linear(episodes, seed: int):
+    """The linear router on the training episodes, or None (logged in the report as absent) when they
+    cannot train one (too few, one label)."""
+    from services.router.linear import LinearRouterError, fit
+
+    try:
+        return fit(episodes, seed=seed)
+    except LinearRouterError:
+        return None
+
+
+def linear_calls(router, traces: list[Trace], cost_weight: float) -> dict[str, RouterCall]:
+    """trace id → the linear router's decision on that trace's query and providers, timed."""
+    from services.router.linear import decide_timed
+
+    out = {}
+    for t in traces:
+        ordering, scores, ms = decide_timed(router, t.query, [c.provider for c in t.candidates],
+                                            {c.provider: c.cost_usd for c in t.candidates}, cost_weight)
+        out[t.trace_id] = RouterCall(ordering=ordering, router_ms=round(ms, 3), scores=scores)
+    return out
 
 
 async def _traces(opts: EvalOptions, settings: JudgeSettings) -> tuple[list[Trace], int, str]:

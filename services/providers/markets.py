@@ -68,7 +68,7 @@ class Vertical:
     median_ms: float
 
 
-VERTICALS: tuple[Vertical, ...] = (  # from `python bench/market_tune.py` (tuning half; README has its output)
+VERTICALS: tuple[Vertical, ...] = (  # from `python bench/market_tune.py` (tuning half; docs/markets.md has its output)
     Vertical("aero", k1=1.5, b=0.4, lsa_weight=1.0, cost_usd=0.0010, median_ms=90),
     Vertical("compsci", k1=0.9, b=0.75, lsa_weight=0.2, cost_usd=0.0010, median_ms=80),
     Vertical("physics", k1=1.2, b=0.4, lsa_weight=0.6, cost_usd=0.0008, median_ms=80),

@@ -7,7 +7,7 @@ interpreter's prefix read-only, ``/app``, ``/logs``, ``/root`` and ``/tmp`` writ
 rollout, ``/tests`` bound only for the verifier, the relay only through a bound unix socket (the harness
 phase), no other network (only loopback exists). stdin is closed; the command runs in its own session and
 process group, which is killed (SIGKILL) at its timeout; ``--die-with-parent`` and the PID namespace take
-every process inside down with it; every capability is dropped. What it does not isolate: see the README (same kernel, no seccomp
+every process inside down with it; every capability is dropped. What it does not isolate: see docs/rollouts.md (same kernel, no seccomp
 filter, no cgroup CPU/memory accounting beyond rlimits, root stays uid 0 unless the user namespace maps it).
 """
 

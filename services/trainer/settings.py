@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from services.common.files import instant
+from services.common.prompt import TARGETS
 from services.common.settings import ServiceSettings
 from services.models.prepare import DEFAULT_BASE
 
@@ -33,6 +34,9 @@ class SftRun(BaseModel):
                                      description="Keep episodes whose reward is at least this")
     reward_max: float | None = Field(default=None, ge=-1e6, le=1e6,
                                      description="Keep episodes whose reward is at most this")
+    target: Literal[TARGETS] = Field(  # type: ignore[valid-type]
+        default="first", description="What the assistant turn trains on: the judge's cost-aware first choice "
+                                     "(the decision the router is asked for), its top tier, or the whole ordering")
 
     @model_validator(mode="after")
     def _window(self) -> SftRun:

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from schemas.episode import Episode
 from services.common.errors import BusError, ConfigError, FanrouteError
 from services.common.files import atomic_dir
+from services.common.prompt import retarget
 from services.models.prepare import is_prepared, resolve_base
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
@@ -174,8 +175,11 @@ def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = 
                                   "calibration gates", settings)
     gates = check_gates(selection.kept, run.reward_name, gate_lookup, settings.allow_uncalibrated)
     train_eps, eval_eps = split_by_query(selection.kept, settings.eval_fraction)
+    # the target rewrites only what is trained on: the eval episodes keep the judge's whole ordering to grade by
+    target = getattr(run, "target", "ordering")
+    train_eps = [retarget(ep, target) for ep in train_eps]
     counts: dict[str, Any] = dict(selection.counts) | {"reward": selection.reward, "train_episodes": len(train_eps),
-                                                       "eval_episodes": len(eval_eps)}
+                                                       "eval_episodes": len(eval_eps), "target": target}
     if not train_eps:
         raise ConfigError(f"eval_fraction {settings.eval_fraction} holds out every one of the "
                           f"{len(selection.kept)} selected episodes; nothing is left to train on")

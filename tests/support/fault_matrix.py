@@ -1,4 +1,4 @@
-"""Counting what a fault test produced, and reporting its row of the README's fault matrix.
+"""Counting what a fault test produced, and reporting its row of the fault matrix (docs/faults.md).
 
 A row counts the records the consumer was given and the results it produced, both by record and
 by content-derived id: ``duplicates`` are result records beyond one per id, ``lost`` are expected
@@ -7,7 +7,7 @@ row first (so a failing run's counts are kept too), then fails the test on any l
 
 Rows are printed (``pytest -s`` shows them) and, when ``FANROUTE_FAULT_MATRIX_OUT`` names a file,
 appended to it as one JSON object per line (``python -m tests.support.fault_matrix FILE`` renders
-them as the README's table).
+them as docs/faults.md's table).
 """
 
 from __future__ import annotations

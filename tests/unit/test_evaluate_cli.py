@@ -155,3 +155,27 @@ def test_other_bad_input(inputs, router, capsys):
     write_jsonl([trace("r", [candidate("good")], mode="routed")], inputs / "traces.jsonl")
     _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none"),
            "no held-out fan-out trace", "not_fanout")
+
+
+def test_the_linear_router_of_the_same_episodes_is_a_row_and_a_comparison(tmp_path, router, capsys):
+    """With enough training episodes, eval fits the TF-IDF + logistic-regression router on them and
+    replays it like any router: a row with its decision time, compared with the candidate."""
+    qids = sorted(adi()[1], key=int)
+    held, trained = qids[:6], qids[6:26]
+    queries = adi()[0]
+    traces = [adi_trace(q) for q in held] + [adi_trace(q) for q in trained]
+    eps = [episode(queries[q], "good > cheap > flaky" if i % 2 else "cheap > good > flaky", PROVIDERS,
+                   ep_id=f"e{q}") for i, q in enumerate(trained)]
+    write_jsonl(traces, tmp_path / "traces.jsonl")
+    write_jsonl(eps, tmp_path / "train.jsonl")
+    assert main(_eval_args(tmp_path, router, "--candidate", "router@2", "--deployed", "none")) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    lin = report["policies"]["linear"]
+    assert lin["adapter"] == "linear:tfidf-logreg" and lin["queries"] == 6 and lin["fallbacks"] == {}
+    assert lin["router_p50_ms"] > 0 and lin["human"]["n"] == 6
+    assert report["inputs"]["linear"]["train_episodes"] == 20
+    assert report["inputs"]["linear"]["labels"] == {"cheap": 10, "good": 10}
+    assert {(c["a"], c["b"]) for c in report["comparisons"]} >= {("candidate", "linear"), ("linear", "best_single")}
+    assert all(q["outcomes"]["linear"]["called"][0] in ("good", "cheap") for q in report["queries"])
+    assert "linear (linear:tfidf-logreg)" in out

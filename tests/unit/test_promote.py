@@ -213,3 +213,15 @@ def test_cli_publisher_failure_while_promoting(tmp_path, publisher, capsys, stat
     assert _promote(tmp_path, make_report()) == code
     decision = json.loads((tmp_path / "ev" / "decision.json").read_text())
     assert decision["decision"] == "promote" and decision["promoted"] is False and decision["publisher_error"]
+
+
+def test_an_lm_candidate_must_beat_the_linear_router_of_the_same_episodes():
+    report = make_report(cand=(0.6, 2.0), deployed_name=None)
+    linear = _metrics("linear", 0.62, 1.9, adapter="linear:tfidf-logreg")
+    report = report.model_copy(update={"policies": {**report.policies, "linear": linear}})
+    d = decide(report)
+    assert d.decision == "refuse" and d.decided_by == ["quality"]
+    assert any("human: candidate 0.6000 does not beat linear (linear:tfidf-logreg) 0.6200" in r for r in d.reasons)
+    better = report.model_copy(update={"policies": {**report.policies, "linear": _metrics("linear", 0.55, 1.8,
+                                                                                         adapter="linear:tfidf-logreg")}})
+    assert decide(better).decision == "promote"

@@ -1,0 +1,119 @@
+"""The linear router: TF-IDF features of the query, multinomial logistic regression onto the judge's
+cost-aware first choice — the strongest cheap baseline, distilled from the same episodes as the student.
+
+Why it exists: a learned LM router is only worth its cost when it beats what a linear classifier learns
+from the very same labels in milliseconds. ``fanroute eval`` reports it beside every candidate, and the
+promotion rule requires an LM candidate to beat it.
+
+Its scores are log-probabilities per provider, so it decides exactly like the scoring LM router
+(:func:`services.router.scoring.decide`: P(best) − λ · cost). The regularisation strength is chosen by
+cross-validation on the training episodes only (never on the queries it is evaluated on).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.episode import Episode
+from services.common.ndcg import parse_ordering
+from services.common.prompt import providers_of, query_of
+
+#: Regularisation grid the cross-validation chooses from (inverse strength, scikit-learn's C).
+C_GRID = (0.25, 1.0, 4.0, 16.0, 64.0)
+#: A provider the router never saw as a label gets this log-probability (it is never preferred, but an
+#: ordering still lists it).
+UNSEEN_LOGPROB = -30.0
+
+
+class LinearRouterError(ValueError):
+    """The episodes cannot train a linear router (too few, or a single label)."""
+
+
+def first_choice(ep: Episode) -> str | None:
+    """The episode's label: the first name of its (cost-aware) ordering; None when it does not parse."""
+    answer = next((m.content for m in reversed(ep.messages) if m.role == "assistant"), "")
+    try:
+        tiers = parse_ordering(answer)
+    except ValueError:
+        return None
+    return tiers[0][0] if tiers and tiers[0] else None
+
+
+@dataclass
+class LinearRouter:
+    """A fitted TF-IDF + logistic-regression router; :meth:`scores` gives log P(provider is best | query)."""
+
+    providers: tuple[str, ...]
+    classes: tuple[str, ...]
+    pipeline: Any
+    c: float
+    cv_accuracy: float
+    train_episodes: int
+    labels: dict[str, int] = field(default_factory=dict)
+
+    def scores(self, query: str, providers: Sequence[str] | None = None) -> dict[str, float]:
+        """Provider → log-probability (every provider asked about; an unseen label gets :data:`UNSEEN_LOGPROB`)."""
+        probs = self.pipeline.predict_proba([query])[0]
+        logp = {c: math.log(max(float(p), 1e-300)) for c, p in zip(self.classes, probs, strict=True)}
+        return {n: logp.get(n, UNSEEN_LOGPROB) for n in (providers or self.providers)}
+
+    def describe(self) -> dict[str, Any]:
+        """What the report records about it."""
+        return {"kind": "tfidf+logreg", "C": self.c, "cv_accuracy": round(self.cv_accuracy, 4),
+                "train_episodes": self.train_episodes, "labels": self.labels}
+
+
+def _pipeline(c: float) -> Any:
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import FeatureUnion, make_pipeline
+
+    features = FeatureUnion([
+        ("words", TfidfVectorizer(ngram_range=(1, 2), sublinear_tf=True, min_df=1, lowercase=True)),
+        ("chars", TfidfVectorizer(analyzer="char_wb", ngram_range=(3, 5), sublinear_tf=True, min_df=2,
+                                  lowercase=True)),
+    ])
+    return make_pipeline(features, LogisticRegression(C=c, max_iter=2000))
+
+
+def fit(episodes: Sequence[Episode], *, seed: int = 0, folds: int = 5) -> LinearRouter:
+    """Fit on the episodes' queries and first choices; C by stratified cross-validation on them."""
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+
+    rows = [(query_of(ep), label, providers_of(ep)) for ep in episodes if (label := first_choice(ep))]
+    if len(rows) < 10:
+        raise LinearRouterError(f"{len(rows)} episodes with a readable ordering: too few to fit a linear router")
+    queries, labels = [q for q, _, _ in rows], [lab for _, lab, _ in rows]
+    counts = Counter(labels)
+    if len(counts) < 2:
+        raise LinearRouterError(f"every episode's first choice is {labels[0]!r}: nothing to learn")
+    n_folds = max(2, min(folds, min(counts.values())))
+    best_c, best_acc = C_GRID[0], -1.0
+    if min(counts.values()) >= 2:
+        cv = StratifiedKFold(n_splits=n_folds, shuffle=True, random_state=seed)
+        for c in C_GRID:
+            acc = float(cross_val_score(_pipeline(c), queries, labels, cv=cv).mean())
+            if acc > best_acc + 1e-12:
+                best_c, best_acc = c, acc
+    else:  # a label seen once cannot be stratified: the middle of the grid, accuracy unknown
+        best_c, best_acc = C_GRID[len(C_GRID) // 2], float("nan")
+    pipeline = _pipeline(best_c).fit(queries, labels)
+    providers = tuple(sorted({n for _, _, names in rows for n in names} | set(labels)))
+    return LinearRouter(providers=providers, classes=tuple(pipeline.classes_), pipeline=pipeline, c=best_c,
+                        cv_accuracy=best_acc, train_episodes=len(rows), labels=dict(sorted(counts.items())))
+
+
+def decide_timed(router: LinearRouter, query: str, providers: Sequence[str], cost_usd: Mapping[str, float],
+                 cost_weight: float) -> tuple[tuple[str, ...], dict[str, float], float]:
+    """(ordering, scores, decision time in ms) for one query, decided as the scoring router decides."""
+    from services.router.scoring import decide
+
+    t0 = time.perf_counter()
+    scores = router.scores(query, providers)
+    ordering = decide(scores, cost_usd, cost_weight)
+    return ordering, scores, (time.perf_counter() - t0) * 1000.0

@@ -1,0 +1,71 @@
+"""The linear router: fitted on episodes' queries and first choices, scores as log-probabilities,
+decides like the scoring router, refuses data it cannot learn from."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+
+import pytest
+
+from schemas.episode import ChatMessage, Episode
+from services.common.prompt import router_turns
+from services.router import linear
+
+PROVIDERS = ("aero", "biomed", "web")
+TOPICS = {
+    "aero": ["supersonic wing flow", "boundary layer over an airfoil", "shock wave at mach two",
+             "heat transfer in hypersonic flight", "wing flutter and buckling"],
+    "biomed": ["protein in heart cells", "blood pressure of patients", "mouse model of tumour growth",
+               "enzyme activity in liver", "clinical trial of a drug"],
+}
+
+
+def _episode(i: int, query: str, answer: str) -> Episode:
+    return Episode(episode_id=f"ep{i:04d}", trace_id=f"t{i:04d}", created_at=datetime.now(UTC),
+                   messages=(*router_turns(PROVIDERS, query), ChatMessage(role="assistant", content=answer)),
+                   rewards=(), primary_reward=None, label_rule="test")
+
+
+def _episodes(n_per: int = 6) -> list[Episode]:
+    out = []
+    for label, queries in TOPICS.items():
+        for k in range(n_per):
+            q = f"{queries[k % len(queries)]} study {k}"
+            out.append(_episode(len(out), q, f"{label} > web = {'biomed' if label == 'aero' else 'aero'}"))
+    return out
+
+
+def test_it_learns_the_first_choice_and_scores_log_probabilities() -> None:
+    router = linear.fit(_episodes(), seed=0)
+    assert router.labels == {"aero": 6, "biomed": 6}
+    assert router.c in linear.C_GRID and 0.0 <= router.cv_accuracy <= 1.0
+    scores = router.scores("shock wave over a supersonic wing", PROVIDERS)
+    assert set(scores) == set(PROVIDERS) and scores["aero"] > scores["biomed"]
+    assert scores["web"] == linear.UNSEEN_LOGPROB  # never a label: listed, never preferred
+    assert math.isclose(sum(math.exp(v) for k, v in scores.items() if k != "web"), 1.0, rel_tol=1e-6)
+    ordering, _, ms = linear.decide_timed(router, "protein activity in patients' blood", PROVIDERS,
+                                          {"aero": 0.001, "biomed": 0.001, "web": 0.003}, 0.0)
+    assert ordering[0] == "biomed" and set(ordering) == set(PROVIDERS) and ms > 0
+
+
+def test_cost_weight_moves_the_decision_like_the_scoring_router() -> None:
+    router = linear.fit(_episodes(), seed=0)
+    q = "wing"  # weak evidence: the two labels are close
+    costs = {"aero": 0.010, "biomed": 0.0001, "web": 0.003}
+    free, _, _ = linear.decide_timed(router, q, PROVIDERS, costs, 0.0)
+    dear, _, _ = linear.decide_timed(router, q, PROVIDERS, costs, 1e4)
+    assert dear[0] == "biomed" and (free[0] == "aero" or free == dear)
+
+
+def test_first_choice_reads_the_ordering() -> None:
+    assert linear.first_choice(_episode(0, "q", "biomed = aero > web")) == "biomed"
+    assert linear.first_choice(_episode(1, "q", "")) is None
+
+
+def test_too_little_to_learn_from_is_refused() -> None:
+    with pytest.raises(linear.LinearRouterError, match="too few"):
+        linear.fit(_episodes()[:5])
+    same = [_episode(i, f"query {i}", "aero > web") for i in range(12)]
+    with pytest.raises(linear.LinearRouterError, match="nothing to learn"):
+        linear.fit(same)
