@@ -44,6 +44,7 @@ from services.trainer.data import (
     split_by_query,
 )
 from services.trainer.evaluate import GradesFor, eval_items, evaluate, load_kafka_grades
+from services.trainer.route_eval import route_evaluate, route_items
 from services.trainer.settings import TrainerSettings
 
 Out = Callable[[str], None]
@@ -361,6 +362,8 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
     latest = ckpt.resumable(output_dir, s.resume)
     output_dir.mkdir(parents=True, exist_ok=True)
     eval_set = eval_items(plan.tokenizer, plan.eval_episodes, grades_lookup(plan, grades_for))
+    route_set = route_items(plan.tokenizer, plan.eval_episodes, [i.grades for i in eval_set],
+                            [i.providers for i in eval_set])
 
     import torch
 
@@ -388,10 +391,13 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
     def run_eval(step: int) -> None:
         if eval_set:
             scores = evaluate(model, plan.tokenizer, eval_set, s.eval_max_new_tokens)
+            scores |= route_evaluate(model, route_set, pad_id)
             metrics.write({"step": step, **scores})
             final.update(scores)
+            routed = (f"; routed (score mode): grade {scores['test/route_grade']:.2f} best {scores['test/route_best']:.2f} "
+                      f"agree {scores['test/route_agree']:.2f}" if "test/route_grade" in scores else "")
             out(f"eval step {step}: ndcg {scores['test/ndcg']:.3f} top1 {scores['test/top1']:.3f} "
-                f"parsed {scores['test/parse_ok']:.2f} (n={scores['test/n']})")
+                f"parsed {scores['test/parse_ok']:.2f} (n={scores['test/n']}){routed}")
 
     def save(step: int) -> None:
         ckpt.save_checkpoint(output_dir, model, optimizer, scheduler,
