@@ -22,8 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--no-loop", dest="loop", action="store_false",
                    help="stop after the fan-out era (no training, evaluation, promotion or routing)")
     d.add_argument("--out", type=Path, default=None, help="report directory (default out/demo)")
-    d.add_argument("--passes", type=int, default=1,
-                   help="chained one-pass training runs, each starting from the previous adapter (1..5)")
+    d.add_argument("--passes", type=int, default=None,
+                   help="chained one-pass training runs, each starting from the previous adapter (1..5; "
+                        "default: DemoOptions.passes, 3)")
     d.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running after")
     d.add_argument("--market", choices=("federated", "nested"), default=None,
                    help="the provider market (default: FANROUTE_MARKET, else federated); nested is the control "
@@ -119,13 +120,13 @@ def _demo(args: argparse.Namespace) -> int:
             os.environ["FANROUTE_JUDGE"] = '{"type": "local"}'
             print("fanroute demo: market nested, judged by the lexical local judge", file=sys.stderr)
     if args.queries is not None and args.queries < 10 or not 0.05 <= args.held_out <= 0.9 \
-            or not 1 <= args.passes <= 5:
+            or args.passes is not None and not 1 <= args.passes <= 5:
         print("fanroute demo: --queries must be at least 10, --held-out within 0.05..0.9 and --passes "
               "within 1..5", file=sys.stderr)
         return 2
     opts = DemoOptions(queries=args.queries, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
                        keep_stack=args.keep_stack, loop=args.loop, held_out_fraction=args.held_out,
-                       passes=args.passes,
+                       **({"passes": args.passes} if args.passes is not None else {}),
                        **({"out_dir": args.out} if args.out else {}))
     before = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:

@@ -44,7 +44,7 @@ class DemoOptions:
     judge_rate: float = 1.0  # label every trace: the short training run needs them (the service default is 0.2)
     loop: bool = True  # False: stop after the fan-out era (no training, evaluation or routing)
     held_out_fraction: float = 0.3
-    passes: int = 1  # chained one-pass training runs (each from the previous adapter)
+    passes: int = 3  # chained one-pass training runs (each from the previous adapter, its own data order)
 
 
 STEPS = 8
