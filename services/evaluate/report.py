@@ -11,6 +11,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from services.evaluate.baseline import BestSingle
+from services.evaluate.ceiling import CollectionRow
+from services.evaluate.ceiling import render as render_ceiling
 from services.evaluate.inputs import EvalInputError
 from services.evaluate.frontier import FrontierReport
 from services.evaluate.frontier import plot as plot_frontier
@@ -105,6 +107,8 @@ class EvalReport(BaseModel):
     queries: list[QueryRow] = Field(default_factory=list)
     frontier: dict[str, FrontierReport] = Field(
         default_factory=dict, description="Measure → the candidate's cost-quality curve over λ (scoring routers)")
+    collections: list[CollectionRow] = Field(
+        default_factory=list, description="The label ceiling per collection: judge-oracle vs the hindsight best")
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-query rows (the evidence stored beside a promotion)."""
@@ -174,6 +178,7 @@ def render(report: EvalReport) -> str:
                      f"(wins/ties/losses {c.wins}/{c.ties}/{c.losses})")
     for curve in report.frontier.values():
         lines += ["", f"candidate over λ, {render_frontier(curve)}"]
+    lines += render_ceiling(report.collections)
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.trace import Trace
 from services.evaluate import policies as pol
 from services.evaluate.baseline import choose_best_single
+from services.evaluate.ceiling import per_collection
 from services.evaluate.curves import candidate_curves, per_domain_choice
 from services.evaluate.inputs import (
     EvalInputError,
@@ -108,7 +109,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         best_single=best, linear=linear.describe() if linear is not None else None, cost_weight=opts.cost_weight,
         seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
-                      queries=rows, frontier=curves)
+                      queries=rows, frontier=curves, collections=per_collection(scored, outcomes))
 
 
 #: The linear router's name in the report (it is fitted here, not served).
