@@ -68,6 +68,65 @@ class LinearRouter:
                 "train_episodes": self.train_episodes, "labels": self.labels}
 
 
+#: The artifact's file name and format version (JSON: vocabularies, idf, coefficients — no pickle, so a
+#: consumer never unpickles what it pulled).
+ARTIFACT_FILE = "linear_router.json"
+ARTIFACT_VERSION = 1
+_VECTORIZER_PARAMS = ("analyzer", "ngram_range", "sublinear_tf", "min_df", "lowercase")
+
+
+def to_artifact(router: LinearRouter) -> dict[str, Any]:
+    """The fitted router as plain JSON-able data (what is published and served)."""
+    union, clf = router.pipeline.steps[0][1], router.pipeline.steps[1][1]
+    features = []
+    for name, vec in union.transformer_list:
+        params = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vec.get_params().items()
+                  if k in _VECTORIZER_PARAMS}
+        features.append({"name": name, "params": params, "idf": [float(x) for x in vec.idf_],
+                         "vocabulary": {t: int(i) for t, i in sorted(vec.vocabulary_.items())}})
+    return {"format": "fanroute-linear-router", "version": ARTIFACT_VERSION, "providers": list(router.providers),
+            "classes": list(router.classes), "features": features,
+            "coef": [[float(x) for x in row] for row in clf.coef_], "intercept": [float(x) for x in clf.intercept_],
+            "C": router.c, "cv_accuracy": None if math.isnan(router.cv_accuracy) else router.cv_accuracy,
+            "train_episodes": router.train_episodes, "labels": router.labels}
+
+
+def from_artifact(data: dict[str, Any]) -> LinearRouter:
+    """A router from :func:`to_artifact`'s data; a malformed artifact is a LinearRouterError naming the field."""
+    import numpy as np
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import FeatureUnion, make_pipeline
+
+    try:
+        if data.get("format") != "fanroute-linear-router" or data.get("version") != ARTIFACT_VERSION:
+            raise LinearRouterError(f"not a version-{ARTIFACT_VERSION} fanroute linear router artifact")
+        vecs = []
+        for f in data["features"]:
+            params = dict(f["params"])
+            params["ngram_range"] = tuple(params["ngram_range"])
+            vec = TfidfVectorizer(**params, vocabulary=dict(f["vocabulary"]))
+            vec.idf_ = np.asarray(f["idf"], dtype=float)
+            vecs.append((f["name"], vec))
+        clf = LogisticRegression(C=float(data["C"]))
+        clf.classes_ = np.asarray(data["classes"])
+        clf.coef_ = np.asarray(data["coef"], dtype=float)
+        clf.intercept_ = np.asarray(data["intercept"], dtype=float)
+        clf.n_features_in_ = clf.coef_.shape[1]
+        if clf.coef_.shape[0] != (len(clf.classes_) if len(clf.classes_) > 2 else 1) \
+                or sum(len(f["vocabulary"]) for f in data["features"]) != clf.n_features_in_:
+            raise LinearRouterError("coef does not match the classes and the vocabularies")
+        pipeline = make_pipeline(FeatureUnion(vecs), clf)
+        cv = data.get("cv_accuracy")
+        return LinearRouter(providers=tuple(data["providers"]), classes=tuple(data["classes"]), pipeline=pipeline,
+                            c=float(data["C"]), cv_accuracy=float("nan") if cv is None else float(cv),
+                            train_episodes=int(data["train_episodes"]), labels=dict(data.get("labels", {})))
+    except LinearRouterError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LinearRouterError(f"malformed linear router artifact: {type(exc).__name__}: {exc}") from exc
+
+
 def _pipeline(c: float) -> Any:
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.linear_model import LogisticRegression

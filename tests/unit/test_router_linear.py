@@ -69,3 +69,25 @@ def test_too_little_to_learn_from_is_refused() -> None:
     same = [_episode(i, f"query {i}", "aero > web") for i in range(12)]
     with pytest.raises(linear.LinearRouterError, match="nothing to learn"):
         linear.fit(same)
+
+
+def test_the_artifact_round_trips_without_pickle(tmp_path) -> None:
+    """JSON out, JSON in: the same probabilities on any query; a damaged artifact names what is wrong."""
+    import json
+
+    router = linear.fit(_episodes(), seed=0)
+    path = tmp_path / linear.ARTIFACT_FILE
+    path.write_text(json.dumps(linear.to_artifact(router)))
+    back = linear.from_artifact(json.loads(path.read_text()))
+    for q in ("supersonic wing", "protein in mouse heart", "nothing in common at all", ""):
+        a, b = router.scores(q, PROVIDERS), back.scores(q, PROVIDERS)
+        assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-9 for k in a)
+    assert back.labels == router.labels and back.c == router.c
+    bad = json.loads(path.read_text())
+    bad["coef"] = bad["coef"][:-1] if len(bad["coef"]) > 1 else [bad["coef"][0][:-1]]
+    with pytest.raises(linear.LinearRouterError, match="coef does not match"):
+        linear.from_artifact(bad)
+    with pytest.raises(linear.LinearRouterError, match="not a version-1"):
+        linear.from_artifact({"format": "something else"})
+    with pytest.raises(linear.LinearRouterError, match="malformed"):
+        linear.from_artifact({"format": "fanroute-linear-router", "version": 1})
