@@ -1,5 +1,8 @@
-"""The adapter directory contract: which files a published PEFT adapter may hold, their hashes, and
+"""The adapter directory contract: which files a published router version may hold, their hashes, and
 how a consumer materialises them (verified, all or nothing).
+
+Two kinds of router are published the same way: a PEFT LoRA adapter (served by the sampler or vLLM)
+and a linear router (one JSON artifact, served in-process by the gateway); the file set says which.
 
 Shared by the publisher (checks uploads), its client (pulls versions) and the sampler (verifies
 what it pulled).
@@ -25,7 +28,17 @@ ADAPTER_FILES = REQUIRED_FILES | frozenset({
     "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
 })
+#: A linear router version: its JSON artifact (services/router/linear.py) and, optionally, a card.
+LINEAR_ARTIFACT = "linear_router.json"
+LINEAR_FILES = frozenset({LINEAR_ARTIFACT, "README.md"})
+#: Every file name a version may hold, of either kind.
+ALL_FILES = ADAPTER_FILES | LINEAR_FILES
 CHUNK = 1 << 20
+
+
+def artifact_kind(files: Iterable[str]) -> str:
+    """``linear`` for a linear router's file set, else ``lora`` (a PEFT adapter)."""
+    return "linear" if LINEAR_ARTIFACT in set(files) else "lora"
 
 
 class AdapterFilesError(FanrouteError, ValueError):
@@ -57,15 +70,17 @@ def sha256_file(path: Path) -> str:
 
 
 def check_adapter_files(files: dict[str, str]) -> None:
-    """Refuse anything but plain PEFT adapter file names with well-formed hashes."""
-    bad = sorted(n for n in files if n not in ADAPTER_FILES)
+    """Refuse anything but a plain PEFT adapter's (or a linear router's) file names with well-formed hashes."""
+    linear = artifact_kind(files) == "linear"
+    allowed = LINEAR_FILES if linear else ADAPTER_FILES
+    bad = sorted(n for n in files if n not in allowed)
     if bad:
         why = "path separators are not allowed" if any("/" in n or "\\" in n for n in bad) else "unknown"
-        raise BadAdapterFiles(f"files {bad}: not plain PEFT adapter files ({why}); "
-                              f"allowed: {sorted(ADAPTER_FILES)}")
-    missing = sorted(REQUIRED_FILES - files.keys())
+        kind = "linear router" if linear else "plain PEFT adapter"
+        raise BadAdapterFiles(f"files {bad}: not {kind} files ({why}); allowed: {sorted(allowed)}")
+    missing = sorted(REQUIRED_FILES - files.keys()) if not linear else []
     if missing:
-        raise BadAdapterFiles(f"an adapter needs {missing}")
+        raise BadAdapterFiles(f"an adapter needs {missing} (or {LINEAR_ARTIFACT}, for a linear router)")
     for name, sha in files.items():
         if not SHA256_RE.match(sha):
             raise BadAdapterFiles(f"files.{name}: not a sha256 (64 lowercase hex digits): {sha!r}")

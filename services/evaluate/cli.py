@@ -1,4 +1,5 @@
-"""``fanroute eval`` and ``fanroute promote``: argument wiring; heavy modules load after parsing."""
+"""``fanroute eval``, ``fanroute promote`` and ``fanroute linear fit``: argument wiring; heavy modules
+load after parsing."""
 
 from __future__ import annotations
 
@@ -77,6 +78,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a candidate dearer per query than the deployed router must beat it by at least this "
                         "on both measures")
     _add_eval_arguments(p, train_required=False)
+    lin = sub.add_parser("linear", help="the linear router (TF-IDF + logistic regression): fit it on training "
+                                        "episodes and publish it as a servable router version")
+    actions = lin.add_subparsers(dest="action", required=True)
+    f = actions.add_parser("fit", help="fit on the episodes' queries and cost-aware first choices; write "
+                                       f"<out>/linear_router.json; publish it with --publisher-url")
+    f.add_argument("--train-episodes", type=Path, required=True, help="training episodes (fanroute dataset output)")
+    f.add_argument("--out", type=Path, default=Path("out/linear"), help="directory for linear_router.json")
+    f.add_argument("--publisher-url", default=None, help="publish the artifact as a version of --model-id")
+    f.add_argument("--model-id", default="router-linear", help="the model id it is published under")
+    f.add_argument("--seed", type=int, default=0, help="cross-validation seed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,11 +98,42 @@ def run(args: argparse.Namespace) -> int:
     from services.judge.settings import JudgeSettings
 
     try:
+        if args.cmd == "linear":
+            return _linear_fit(args)
         settings = JudgeSettings()
         return _eval(args, settings) if args.cmd == "eval" else _promote(args, settings)
     except (FanrouteError, ValidationError) as exc:
         print(f"fanroute {args.cmd}: {exc}", file=sys.stderr)
         return 2
+
+
+def _linear_fit(args: argparse.Namespace) -> int:
+    """Fit, write the artifact, publish it when asked; prints what was fitted and the version published."""
+    import json
+
+    from services.common.adapter_files import LINEAR_ARTIFACT
+    from services.evaluate.inputs import EvalInputError
+    from services.router.linear import LinearRouterError, fit, to_artifact
+    from services.trainer.data import load_episodes_file
+
+    try:
+        router = fit(load_episodes_file(args.train_episodes), seed=args.seed)
+    except LinearRouterError as exc:
+        raise EvalInputError(f"{args.train_episodes}: {exc}") from exc
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / LINEAR_ARTIFACT
+    path.write_text(json.dumps(to_artifact(router), sort_keys=True) + "\n")
+    print(f"linear router: {router.train_episodes} episodes, labels {router.labels}, C {router.c:g}, "
+          f"cross-validated accuracy {router.cv_accuracy:.3f} -> {path}")
+    if args.publisher_url:
+        from services.common.publisher_client import PublisherClient
+
+        metrics = {"cv_accuracy": router.cv_accuracy, "train_episodes": float(router.train_episodes)}
+        with PublisherClient(args.publisher_url) as client:
+            msg = client.publish(args.model_id, args.out, "tfidf+logreg",
+                                 {k: v for k, v in metrics.items() if v == v})  # NaN (unknown accuracy) left out
+        print(f"published {msg['model_id']}@{msg['version']} ({msg['url']})")
+    return 0
 
 
 def _options(args: argparse.Namespace):

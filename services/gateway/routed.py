@@ -17,11 +17,12 @@ from services.common.bus import Bus
 from services.common.stamps import RedisStampStore, StampStore
 from services.gateway.follow import Promoted, PromotedFollower
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.settings import GatewaySettings
+from services.gateway.settings import GatewaySettings, RoutingSettings
 from services.providers.base import Provider
 from services.providers.fanout import call_provider
 from services.providers.signals import compute_signals
 from services.router.client import RouterAnswer, RouterClient, RouterError
+from services.router.linear_client import LinearRouterClient
 from services.router.policy import call_order, in_fanout_slice
 from services.router.scoring import decide
 
@@ -30,13 +31,22 @@ FALLBACK_REASONS: tuple[RouteFallback, ...] = ("no_adapter", "router_timeout", "
 RAW_LIMIT = 4096
 
 
+def router_client(r: RoutingSettings) -> RouterClient | LinearRouterClient:
+    """The client of the configured router kind: HTTP to the model server, or the linear router in-process."""
+    if r.kind == "linear":
+        assert r.publisher_url is not None, "settings validation requires publisher_url with kind linear"
+        return LinearRouterClient(r.publisher_url, timeout_s=r.router_timeout_s)
+    assert r.router_url is not None, "settings validation requires router_url when routing is enabled"
+    return RouterClient(r.router_url, timeout_s=r.router_timeout_s, max_tokens=r.max_tokens, mode=r.mode,
+                        prompt_format=r.prompt_format)
+
+
 class RoutedMode:
     """The follower of the promoted version, the router client and the per-request routing decision."""
 
     def __init__(self, settings: GatewaySettings, providers: list[Provider], bus: Bus, metrics: GatewayMetrics,
                  *, stamps: StampStore | None = None, client: RouterClient | None = None) -> None:
         r = settings.routing
-        assert r.router_url is not None, "settings validation requires router_url when routing is enabled"
         self.routing = r
         self.contested_threshold = settings.contested_threshold
         self.deadline_s = settings.deadline_s
@@ -47,10 +57,10 @@ class RoutedMode:
             stamps = RedisStampStore(settings.redis.url, settings.kafka.topic_namespace)
         self.follower = PromotedFollower(r.model_id, bus, stamps=stamps, poll_s=r.poll_s,
                                          group_id=r.consumer_group, on_change=self._promoted)
-        self.client = client or RouterClient(r.router_url, timeout_s=r.router_timeout_s, max_tokens=r.max_tokens,
-                                             mode=r.mode, prompt_format=r.prompt_format)
+        self.client = client or router_client(r)
         self.cost_usd = {p.name: p.cost_usd for p in providers}
         self._fallback_logged: tuple[str, str] | None = None
+        self._prefetch: asyncio.Task[None] | None = None
         self._last_outcome: str | None = None
         for path in ("router", "fallback"):
             metrics.routed.labels(path)
@@ -67,6 +77,8 @@ class RoutedMode:
         self.fallback_provider(self.follower.current)  # logs which provider the fallback is
 
     async def stop(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
         await self.follower.stop()
         await self.client.close()
 
@@ -176,6 +188,12 @@ class RoutedMode:
         if reason:
             self.metrics.route_fallbacks.labels(reason).inc()
 
+    async def _prepare(self, router: str) -> None:
+        try:
+            await self.client.prepare(router)  # type: ignore[union-attr]
+        except RouterError as exc:  # the requests will fall back and say why; log it once here
+            log.warning("could not load %s: %s", router, exc)
+
     def _note(self, outcome: str, message: str) -> None:
         """Log when the router's outcome changes (not per request: a router that is down would flood)."""
         previous, self._last_outcome = self._last_outcome, outcome
@@ -184,3 +202,8 @@ class RoutedMode:
 
     def _promoted(self, promoted: Promoted) -> None:
         self.metrics.router_version.set(promoted.version)
+        if isinstance(self.client, LinearRouterClient):  # pull it now, not on the first routed request
+            try:
+                self._prefetch = asyncio.get_running_loop().create_task(self._prepare(promoted.router))
+            except RuntimeError:  # no loop (a promotion read at start-up): the first request pulls it
+                pass

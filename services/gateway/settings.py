@@ -25,6 +25,13 @@ class RoutingSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     enabled: bool = Field(default=False, description="Route with the promoted adapter (off = fan out every request)")
+    kind: Literal["lm", "linear"] = Field(
+        default="lm", description="lm: the promoted LoRA adapter, asked over HTTP at router_url (the sampler or "
+                                  "vLLM); linear: the promoted linear router, pulled from publisher_url and "
+                                  "decided in this process")
+    publisher_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
+                                      description="Publisher base URL the linear router's artifact is pulled from "
+                                                  "(required with kind linear)")
     model_id: str = Field(default="router", pattern=MODEL_ID_PATTERN,
                           description="Publisher model id whose promoted version routes")
     router_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
@@ -125,9 +132,12 @@ def _check_routing(routing: RoutingSettings, enabled: list[str], deadline_s: flo
         raise ValueError(f"routing.fallback_provider {fallback!r} is not an enabled provider; enabled: {enabled}")
     if not routing.enabled:
         return
-    if routing.router_url is None:
-        raise ValueError("routing.router_url is required when routing is enabled "
+    if routing.kind == "lm" and routing.router_url is None:
+        raise ValueError("routing.router_url is required when routing is enabled with kind lm "
                          "(FANROUTE_ROUTING__ROUTER_URL=http://sampler:8001)")
+    if routing.kind == "linear" and routing.publisher_url is None:
+        raise ValueError("routing.publisher_url is required with routing.kind linear "
+                         "(FANROUTE_ROUTING__PUBLISHER_URL=http://publisher:8010)")
     if routing.router_timeout_s >= deadline_s:
         raise ValueError(f"routing.router_timeout_s ({routing.router_timeout_s:g}s) must be below deadline_s "
                          f"({deadline_s:g}s), or no provider could answer after a slow router")

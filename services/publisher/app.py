@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.adapter import MODEL_ID_PATTERN, AdapterPublished
 from schemas.topics import topic
 from services.common.adapter_files import (
-    ADAPTER_FILES,
+    ALL_FILES,
+    LINEAR_ARTIFACT,
     REQUIRED_FILES,
     SHA256_RE,
     AdapterFilesError,
@@ -50,7 +51,8 @@ Sha256 = PathParam(pattern=SHA256_RE.pattern, description="The blob's sha256 (64
 #: The file list of a version as JSON Schema: plain PEFT adapter file names → sha256 (what
 #: :func:`check_adapter_files` enforces, with 400 bad_files; the model keeps ``dict[str, str]`` so the
 #: refusal names the file).
-FILES_SCHEMA = {"propertyNames": {"enum": sorted(ADAPTER_FILES)}, "required": sorted(REQUIRED_FILES),
+FILES_SCHEMA = {"propertyNames": {"enum": sorted(ALL_FILES)},
+                "anyOf": [{"required": sorted(REQUIRED_FILES)}, {"required": [LINEAR_ARTIFACT]}],
                 "additionalProperties": {"type": "string", "pattern": SHA256_RE.pattern}}
 OCTET_BODY = {"requestBody": {"required": True, "description": "The blob's bytes",
                               "content": {"application/octet-stream": {"schema": {"type": "string",

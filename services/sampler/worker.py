@@ -24,6 +24,7 @@ from typing import Any, Protocol
 from urllib.parse import quote
 
 from schemas.adapter import AdapterPublished, parse_versioned, versioned_name
+from services.common.adapter_files import artifact_kind
 from services.common.errors import TransientError
 from services.sampler.registry import (
     AdapterEntry,
@@ -217,6 +218,10 @@ class AdapterWorker:
 
     async def handle(self, msg: AdapterPublished) -> None:
         """One announcement: remember it; if it is the newest version of its model id, pull, load, re-alias."""
+        if artifact_kind(msg.files_sha256) != "lora":
+            log.info("ignoring %s@%d: a linear router (the gateway serves it in-process), not a LoRA adapter",
+                     msg.model_id, msg.version)
+            return
         if self.accept_base_models and msg.base_model not in self.accept_base_models:
             log.warning("ignoring %s@%d: base %r is not one of %s", msg.model_id, msg.version, msg.base_model,
                         self.accept_base_models)

@@ -95,8 +95,10 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
     pub = PublisherSettings(kafka=kafka, redis=redis, port=pport, storage_dir=store,
                             public_url=f"http://127.0.0.1:{pport}")
     async with served(publisher_app(pub), pport, what="publisher") as publisher_url:
+        passes = "one pass" if opts.passes == 1 else f"{opts.passes} chained one-pass runs"
         step(first, steps, f"training the student: LoRA SFT of SmolLM2-135M-Instruct on {data.n_train} "
-                           f"episodes (CPU, one pass), then publishing it to {publisher_url}")
+                           f"episodes (CPU, {passes}, target: the judge's cost-aware first choice), then "
+                           f"publishing it to {publisher_url}")
         result = await asyncio.to_thread(_train, kafka, redis, data.train_file, publisher_url, out_dir, opts)
         candidate = f"{MODEL_ID}@{result.published['version']}"
         samp = SamplerSettings(kafka=kafka, redis=redis, port=sport, publisher_url=publisher_url,

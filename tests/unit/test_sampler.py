@@ -512,3 +512,15 @@ async def test_body_over_the_limit_is_413(tiny, tmp_path):
     assert r.status_code == 413 and r.json()["error"] == "body_too_large" and r.json()["reason"]
     # the same body as the sampler's other errors: vLLM's flat fields too
     assert r.json()["message"] == r.json()["reason"] and r.json()["type"] == "RequestEntityTooLargeError"
+
+
+async def test_the_sampler_ignores_a_linear_router_announcement() -> None:
+    """A linear version on the adapters topic is not a LoRA: the sampler's worker skips it (no pull)."""
+    from services.common.adapter_files import LINEAR_ARTIFACT
+    from services.sampler.worker import AdapterWorker
+
+    msg = AdapterPublished(model_id="router", version=3, base_model="tfidf+logreg", url="http://pub/router/3",
+                           files_sha256={LINEAR_ARTIFACT: "0" * 64}, published_at=datetime.now(UTC))
+    worker = AdapterWorker.__new__(AdapterWorker)  # handle() must return before touching anything else
+    worker.accept_base_models = ()
+    await worker.handle(msg)
