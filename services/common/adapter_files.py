@@ -31,8 +31,6 @@ ADAPTER_FILES = REQUIRED_FILES | frozenset({
 #: A linear router version: its JSON artifact (services/router/linear.py) and, optionally, a card.
 LINEAR_ARTIFACT = "linear_router.json"
 LINEAR_FILES = frozenset({LINEAR_ARTIFACT, "README.md"})
-#: Every file name a version may hold, of either kind.
-ALL_FILES = ADAPTER_FILES | LINEAR_FILES
 CHUNK = 1 << 20
 
 

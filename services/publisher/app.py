@@ -20,8 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas.adapter import MODEL_ID_PATTERN, AdapterPublished
 from schemas.topics import topic
 from services.common.adapter_files import (
-    ALL_FILES,
+    ADAPTER_FILES,
     LINEAR_ARTIFACT,
+    LINEAR_FILES,
     REQUIRED_FILES,
     SHA256_RE,
     AdapterFilesError,
@@ -48,11 +49,11 @@ from services.publisher.store import (
 log = logging.getLogger(__name__)
 ModelId = PathParam(pattern=MODEL_ID_PATTERN, description="The router's model id")
 Sha256 = PathParam(pattern=SHA256_RE.pattern, description="The blob's sha256 (64 lowercase hex digits)")
-#: The file list of a version as JSON Schema: plain PEFT adapter file names → sha256 (what
+#: The file list of a version as JSON Schema: a plain PEFT adapter's (or a linear router's) file names → sha256 (what
 #: :func:`check_adapter_files` enforces, with 400 bad_files; the model keeps ``dict[str, str]`` so the
 #: refusal names the file).
-FILES_SCHEMA = {"propertyNames": {"enum": sorted(ALL_FILES)},
-                "anyOf": [{"required": sorted(REQUIRED_FILES)}, {"required": [LINEAR_ARTIFACT]}],
+FILES_SCHEMA = {"anyOf": [{"propertyNames": {"enum": sorted(ADAPTER_FILES)}, "required": sorted(REQUIRED_FILES)},
+                          {"propertyNames": {"enum": sorted(LINEAR_FILES)}, "required": [LINEAR_ARTIFACT]}],
                 "additionalProperties": {"type": "string", "pattern": SHA256_RE.pattern}}
 OCTET_BODY = {"requestBody": {"required": True, "description": "The blob's bytes",
                               "content": {"application/octet-stream": {"schema": {"type": "string",

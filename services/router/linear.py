@@ -24,7 +24,7 @@ from services.common.ndcg import parse_ordering
 from services.common.prompt import providers_of, query_of
 
 #: Regularisation grid the cross-validation chooses from (inverse strength, scikit-learn's C).
-C_GRID = (0.25, 1.0, 4.0, 16.0, 64.0)
+C_GRID = (0.25, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0)
 #: A provider the router never saw as a label gets this log-probability (it is never preferred, but an
 #: ordering still lists it).
 UNSEEN_LOGPROB = -30.0

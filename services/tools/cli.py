@@ -1,4 +1,5 @@
-"""``fanroute demo``, ``doctor``, ``replay``, ``traces``, ``stack`` and ``market``: the commands that compose services."""
+"""``fanroute demo``, ``doctor``, ``replay``, ``traffic``, ``traces``, ``stack`` and ``market``: the commands that
+compose services."""
 
 from __future__ import annotations
 
@@ -44,7 +45,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--concurrency", type=int, default=8, help="requests in flight at most")
     r.add_argument("--seed", type=int, default=0, help="query order seed")
     r.add_argument("--json-out", type=Path, default=None, help="also write the summary as JSON")
+    r.add_argument("--queries-file", type=Path, default=None,
+                   help="send these queries instead ({query_id, text} JSONL, e.g. from fanroute traffic synth)")
     r.set_defaults(func=_replay)
+
+    tr = sub.add_parser("traffic", help="synthetic traffic: pseudo-queries from the corpora (never a dev query) "
+                                        "to replay through the gateway for more judged episodes")
+    tr_actions = tr.add_subparsers(dest="action", required=True)
+    syn = tr_actions.add_parser("synth", help="draw pseudo-queries (titles, leading words, key phrases) from the "
+                                             "bundled corpora, seeded; write queries.jsonl and synth.json")
+    syn.add_argument("--n", type=int, default=2000, help="how many queries")
+    syn.add_argument("--seed", type=int, default=0, help="sampling seed")
+    syn.add_argument("--mix", default=None,
+                     help="share per collection, e.g. adi=1,cacm=2 (default 'dev': the judged dev queries' mix)")
+    syn.add_argument("--out", type=Path, default=Path("out/traffic"), help="output directory")
+    syn.set_defaults(func=_traffic)
 
     t = sub.add_parser("traces", help="print traces from the Kafka topic, one line each")
     t.add_argument("--limit", type=int, default=None, help="stop after this many")
@@ -141,6 +156,23 @@ def _doctor(args: argparse.Namespace) -> int:
     return main(as_json=args.json)
 
 
+def _traffic(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from services.common.errors import FanrouteError
+    from services.tools.traffic import parse_mix, synthesize, write
+
+    try:
+        queries, report = synthesize(args.n, seed=args.seed, mix=parse_mix(args.mix))
+    except FanrouteError as exc:
+        print(f"fanroute traffic synth: {exc}", file=sys.stderr)
+        return 2
+    path = write(queries, report, args.out)
+    summary = {k: v for k, v in asdict(report).items() if k != "mix"}
+    print(f"{report.queries} pseudo-queries -> {path} ({summary})")
+    return 0
+
+
 def _replay(args: argparse.Namespace) -> int:
     from services.common.errors import FanrouteError
     from services.providers.collections import sample_queries
@@ -149,7 +181,12 @@ def _replay(args: argparse.Namespace) -> int:
 
     names = ALL_COLLECTIONS if args.collections == "all" else tuple(args.collections.split(","))
     try:
-        queries = sample_queries(names, limit=args.limit, seed=args.seed)
+        if args.queries_file is not None:
+            from services.tools.traffic import read_queries_file
+
+            queries = read_queries_file(args.queries_file)[:args.limit]
+        else:
+            queries = sample_queries(names, limit=args.limit, seed=args.seed)
         summary = asyncio.run(replay(args.url, queries, rate=args.rate, concurrency=args.concurrency))
     except FanrouteError as exc:
         print(f"fanroute replay: {exc}", file=sys.stderr)
