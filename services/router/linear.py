@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -151,16 +152,17 @@ def fit(episodes: Sequence[Episode], *, seed: int = 0, folds: int = 5) -> Linear
     counts = Counter(labels)
     if len(counts) < 2:
         raise LinearRouterError(f"every episode's first choice is {labels[0]!r}: nothing to learn")
-    n_folds = max(2, min(folds, min(counts.values())))
+    # Stratified over every label; a rare label (fewer episodes than folds) is in some folds only, which
+    # scikit-learn warns about and handles: one rare label must not switch model selection off.
+    n_folds = max(2, min(folds, max(counts.values())))
+    cv = StratifiedKFold(n_splits=n_folds, shuffle=True, random_state=seed)
     best_c, best_acc = C_GRID[0], -1.0
-    if min(counts.values()) >= 2:
-        cv = StratifiedKFold(n_splits=n_folds, shuffle=True, random_state=seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*least populated class.*")
         for c in C_GRID:
             acc = float(cross_val_score(_pipeline(c), queries, labels, cv=cv).mean())
             if acc > best_acc + 1e-12:
                 best_c, best_acc = c, acc
-    else:  # a label seen once cannot be stratified: the middle of the grid, accuracy unknown
-        best_c, best_acc = C_GRID[len(C_GRID) // 2], float("nan")
     pipeline = _pipeline(best_c).fit(queries, labels)
     providers = tuple(sorted({n for _, _, names in rows for n in names} | set(labels)))
     return LinearRouter(providers=providers, classes=tuple(pipeline.classes_), pipeline=pipeline, c=best_c,

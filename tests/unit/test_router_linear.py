@@ -91,3 +91,9 @@ def test_the_artifact_round_trips_without_pickle(tmp_path) -> None:
         linear.from_artifact({"format": "something else"})
     with pytest.raises(linear.LinearRouterError, match="malformed"):
         linear.from_artifact({"format": "fanroute-linear-router", "version": 1})
+
+
+def test_a_label_seen_once_does_not_switch_cross_validation_off() -> None:
+    eps = _episodes() + [_episode(99, "a web only question", "web > aero = biomed")]
+    router = linear.fit(eps, seed=0)
+    assert router.labels["web"] == 1 and not math.isnan(router.cv_accuracy) and router.c in linear.C_GRID
