@@ -59,13 +59,13 @@ def parse_scores(body: Mapping[str, Any], providers: Sequence[str]) -> dict[str,
     if sorted(by_index) != list(range(len(providers))):
         raise ScoresUnreadable(f"choice indexes {sorted(by_index)} do not cover the {len(providers)} prompts")
     seqs = [by_index[i] for i in range(len(providers))]
-    shared = _common_prefix([[t for t, _ in seq] for seq in seqs])
+    shared = common_prefix([[t for t, _ in seq] for seq in seqs])
     if len(providers) > 1 and any(len(seq) == shared for seq in seqs):
         raise ScoresUnreadable("two candidates tokenize to the same sequence")
     return {name: math.fsum(lp for _, lp in seq[shared:]) for name, seq in zip(providers, seqs, strict=True)}
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
     n = min(len(s) for s in seqs)
     for i in range(n):
         if len({s[i] for s in seqs}) > 1:

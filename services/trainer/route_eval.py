@@ -22,7 +22,7 @@ from typing import Any
 from schemas.episode import Episode
 from services.common.prompt import chat_messages
 from services.router.linear import first_choice
-from services.router.scoring import probabilities
+from services.router.scoring import common_prefix, probabilities
 
 
 @dataclass(frozen=True)
@@ -37,11 +37,6 @@ class RouteItem:
     grades: Mapping[str, float]
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    n = min(len(s) for s in seqs)
-    return next((i for i in range(n) if len({s[i] for s in seqs}) > 1), n)
-
-
 def route_items(tokenizer: Any, episodes: Sequence[Episode], grades: Sequence[Mapping[str, float]],
                 providers: Sequence[Sequence[str]]) -> list[RouteItem]:
     """Items as the router asks: the prompt text (chat template, assistant header) with each name appended,
@@ -52,7 +47,7 @@ def route_items(tokenizer: Any, episodes: Sequence[Episode], grades: Sequence[Ma
             continue
         text = tokenizer.apply_chat_template(chat_messages(ep)[:-1], add_generation_prompt=True, tokenize=False)
         seqs = tuple(tuple(tokenizer(text + n, add_special_tokens=False)["input_ids"]) for n in names)
-        shared = _common_prefix(seqs)
+        shared = common_prefix(seqs)
         if any(len(s) == shared for s in seqs):
             continue  # two names tokenize alike: not a decision this prompt can make
         items.append(RouteItem(ep.episode_id, tuple(names), seqs, shared, first_choice(ep), dict(g)))
