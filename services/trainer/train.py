@@ -26,7 +26,6 @@ from services.common.prompt import retarget
 from services.models.prepare import is_prepared, resolve_base
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
-    IGNORE,
     Example,
     GateCheck,
     GateLookup,
@@ -46,6 +45,7 @@ from services.trainer.data import (
 from services.trainer.evaluate import GradesFor, eval_items, evaluate, load_kafka_grades
 from services.trainer.route_eval import route_evaluate, route_items
 from services.trainer.settings import TrainerSettings
+from services.trainer.shared_prefix import target_loss
 
 Out = Callable[[str], None]
 
@@ -299,22 +299,15 @@ def _target_loss(model: Any, batch: Any) -> Any:
     """Mean next-token cross-entropy over the labelled (assistant) positions.
 
     The same number as ``model(..., labels=...).loss``, but the vocabulary projection runs only on
-    the positions that have a target: on a short answer after a long prompt that skips most of the
-    ``B×T×V`` float32 logits (and their log-softmax and gradient), the largest single tensor of a step.
-    Models whose logits are more than ``lm_head(hidden)`` go through the model's own loss.
+    the positions that have a target, and the prompt prefix every row shares is forwarded once
+    (:mod:`services.trainer.shared_prefix`). Models whose logits are more than ``lm_head(hidden)`` go
+    through the model's own loss.
     """
-    import torch.nn.functional as F
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if not _plain_head(base):
         return model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                      labels=batch.labels_BT, use_cache=False).loss
-    hidden_BTD = base.get_decoder()(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                                    use_cache=False).last_hidden_state
-    targets_BT = batch.labels_BT[:, 1:]  # position t predicts token t+1
-    keep_BT = targets_BT != IGNORE
-    logits_NV = base.get_output_embeddings()(hidden_BTD[:, :-1][keep_BT]).float()
-    return F.cross_entropy(logits_NV, targets_BT[keep_BT])
+    return target_loss(base, batch)
 
 
 def _train_step(model: Any, optimizer: Any, scheduler: Any, examples: list[Example], pad_id: int,

@@ -1,0 +1,66 @@
+"""The SFT loss with the batch's shared prompt prefix forwarded once.
+
+Every router example starts with the same system turn (≈ 100 of its ≈ 140 tokens), so a batch of B
+examples forwards that prefix B times. Here the longest token prefix every row shares is forwarded
+once (batch 1), its key/value cache repeated B times, and only the rows' own suffixes go through the
+model on top of it. The result is exact, not an approximation: the model is causal and the rows are
+right-padded, so a prefix position never attends to anything after it, and the gradient still flows
+through the shared keys and values into the adapter (the repeat is differentiable). On the demo's
+batches this is ≈ 2.5× fewer token-forwards per step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from services.trainer.data import IGNORE
+
+#: Below this many shared tokens the second forward costs more than it saves.
+MIN_SHARED = 8
+
+
+def shared_prefix_len(input_ids_BT: Any, attention_mask_BT: Any, labels_BT: Any) -> int:
+    """How many leading positions can be forwarded once: identical in every row, real (not padding),
+    and with no target at or before the first position after them (the loss needs no prefix hidden state)."""
+    import torch
+
+    B, T = input_ids_BT.shape
+    if B < 2:
+        return 0
+    same_T = (input_ids_BT == input_ids_BT[:1]).all(dim=0) & attention_mask_BT.bool().all(dim=0)
+    differs = torch.nonzero(~same_T)
+    P = int(differs[0]) if len(differs) else T
+    labelled = torch.nonzero((labels_BT != IGNORE).any(dim=0))
+    if len(labelled):
+        P = min(P, int(labelled[0]) - 1)  # the hidden state at P-1 would predict label P: keep it in the suffix
+    P = min(P, T - 1)  # at least one position of every row goes through the second forward
+    return P if P >= MIN_SHARED else 0
+
+
+def _cache_kwarg(decoder: Any) -> str:
+    """transformers 5 renamed forward's ``past_key_values`` to ``cache``."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+def target_loss(base: Any, batch: Any) -> Any:
+    """Mean next-token cross-entropy over the labelled positions of ``batch`` (the vocabulary projection
+    only on those), with the shared prefix forwarded once; ``base`` is the (LoRA-wrapped) causal LM whose
+    logits are ``lm_head(hidden)``."""
+    import torch.nn.functional as F
+
+    ids_BT, mask_BT, labels_BT = batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT
+    decoder = base.get_decoder()
+    P = shared_prefix_len(ids_BT, mask_BT, labels_BT)
+    if P:
+        B = ids_BT.shape[0]
+        cache = decoder(input_ids=ids_BT[:1, :P], use_cache=True).past_key_values
+        cache.batch_repeat_interleave(B)
+        hidden_BSD = decoder(input_ids=ids_BT[:, P:], attention_mask=mask_BT, use_cache=True,
+                             **{_cache_kwarg(decoder): cache}).last_hidden_state
+    else:
+        hidden_BSD = decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+    targets_BS = labels_BT[:, P + 1:]  # suffix position j (absolute P + j) predicts token P + j + 1
+    keep_BS = targets_BS != IGNORE
+    logits_NV = base.get_output_embeddings()(hidden_BSD[:, :-1][keep_BS]).float()
+    return F.cross_entropy(logits_NV, targets_BS[keep_BS])

@@ -1,0 +1,85 @@
+"""The SFT loss with the shared prompt prefix forwarded once equals the plain loss, value and gradient."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from services.trainer.data import IGNORE, Batch  # noqa: E402
+from services.trainer.shared_prefix import MIN_SHARED, shared_prefix_len, target_loss  # noqa: E402
+from tests.support.tiny_model import build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lora_model(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tiny")),
+                                                dtype=torch.float64)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                            init_lora_weights=False))  # B ≠ 0: the adapter moves the prefix's KV
+    return model
+
+
+def _batch(prefix_len: int, suffix_lens: list[int], answer: int, vocab: int, seed: int = 1) -> Batch:
+    """Rows sharing ``prefix_len`` tokens, then their own suffix (the last ``answer`` tokens labelled), right-padded."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, vocab, (prefix_len,), generator=g)
+    T = prefix_len + max(suffix_lens)
+    ids = torch.zeros(len(suffix_lens), T, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    labels = torch.full_like(ids, IGNORE)
+    for b, n in enumerate(suffix_lens):
+        row = torch.cat([prefix, torch.randint(3, vocab, (n,), generator=g)])
+        ids[b, :len(row)], mask[b, :len(row)] = row, 1
+        labels[b, len(row) - answer:len(row)] = row[len(row) - answer:]
+    return Batch(ids, mask, labels)
+
+
+def _plain_loss(model, batch: Batch):
+    """The model's own loss (every position projected, the prefix forwarded per row)."""
+    return model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT, labels=batch.labels_BT,
+                 use_cache=False).loss
+
+
+def _grads(model, loss_fn):
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+def test_loss_and_gradient_equal_the_plain_forward(lora_model) -> None:
+    batch = _batch(prefix_len=20, suffix_lens=[7, 3, 11], answer=2, vocab=lora_model.config.vocab_size)
+    assert shared_prefix_len(batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT) >= 20
+    base = lora_model.get_base_model()
+    shared_loss, shared_grads = _grads(lora_model, lambda: target_loss(base, batch))
+    plain_loss, plain_grads = _grads(lora_model, lambda: _plain_loss(lora_model, batch))
+    assert torch.allclose(shared_loss, plain_loss, rtol=0, atol=1e-7)
+    assert len(shared_grads) == len(plain_grads) > 0
+    for s, p in zip(shared_grads, plain_grads, strict=True):  # Llama's RMSNorm rounds in float32
+        assert torch.allclose(s, p, rtol=1e-6, atol=1e-6)
+    assert any(float(g.abs().max()) > 0 for g in shared_grads)
+
+
+def test_the_shared_length_stops_at_the_first_difference_padding_or_target() -> None:
+    batch = _batch(prefix_len=20, suffix_lens=[5, 5], answer=2, vocab=400)
+    ids, mask, labels = batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT
+    P = shared_prefix_len(ids, mask, labels)
+    assert 20 <= P < ids.shape[1] - 1 and bool((ids[0, :P] == ids[1, :P]).all())
+    early = labels.clone()
+    early[:, 12] = ids[:, 12]  # a target inside the common prefix: its predicting position stays in the suffix
+    assert shared_prefix_len(ids, mask, early) == 11
+    assert shared_prefix_len(ids[:1], mask[:1], labels[:1]) == 0  # one row: nothing to share
+    short = _batch(prefix_len=MIN_SHARED - 2, suffix_lens=[4, 4], answer=1, vocab=400)
+    assert shared_prefix_len(short.input_ids_BT, short.attention_mask_BT, short.labels_BT) == 0
+
+
+def test_no_shared_prefix_falls_back_to_one_forward(lora_model) -> None:
+    batch = _batch(prefix_len=0, suffix_lens=[6, 9], answer=3, vocab=lora_model.config.vocab_size, seed=3)
+    base = lora_model.get_base_model()
+    with torch.no_grad():
+        assert torch.allclose(target_loss(base, batch), _plain_loss(lora_model, batch), rtol=0, atol=1e-7)
