@@ -237,6 +237,7 @@ class Example:
     input_ids: tuple[int, ...]
     labels: tuple[int, ...]
     truncated: bool
+    weight: float = 1.0  # the loss weight of its target tokens (class balancing; 1 = plain mean)
 
     @property
     def n_target(self) -> int:
@@ -313,6 +314,7 @@ class Batch:
     input_ids_BT: Any
     attention_mask_BT: Any
     labels_BT: Any
+    weight_B: Any = None  # per-example loss weights; None = every example weighs 1
 
     @property
     def tokens(self) -> int:
@@ -336,7 +338,24 @@ def collate(examples: Sequence[Example], pad_id: int) -> Batch:
         input_ids_BT[b, :n] = torch.tensor(e.input_ids)
         labels_BT[b, :n] = torch.tensor(e.labels)
         attention_mask_BT[b, :n] = 1
-    return Batch(input_ids_BT, attention_mask_BT, labels_BT)
+    weights = [e.weight for e in examples]
+    weight_B = None if all(w == 1.0 for w in weights) else torch.tensor(weights, dtype=torch.float32)
+    return Batch(input_ids_BT, attention_mask_BT, labels_BT, weight_B)
+
+
+def balance_weights(labels: Sequence[str | None], strength: float) -> list[float]:
+    """Per-example loss weights ∝ (examples with the same label) ** -strength, mean 1 over the set.
+
+    0 leaves every weight at 1; 1 gives each label the same total weight; 0.5 is in between (the
+    minority labels count more without the rarest few dominating). An unlabelled example weighs 1.
+    """
+    counts = Counter(lab for lab in labels if lab is not None)
+    if strength == 0 or not counts:
+        return [1.0] * len(labels)
+    raw = [counts[lab] ** -strength if lab is not None else None for lab in labels]
+    known = [w for w in raw if w is not None]
+    mean = sum(known) / len(known)
+    return [w / mean if w is not None else 1.0 for w in raw]
 
 
 def padding_stats(examples: Sequence[Example], batches: Sequence[Sequence[int]]) -> dict[str, float]:

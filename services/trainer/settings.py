@@ -37,6 +37,9 @@ class SftRun(BaseModel):
     target: Literal[TARGETS] = Field(  # type: ignore[valid-type]
         default="first", description="What the assistant turn trains on: the judge's cost-aware first choice "
                                      "(the decision the router is asked for), its top tier, or the whole ordering")
+    class_balance: float = Field(
+        default=0.0, ge=0, le=1, description="Loss weight per example ∝ (examples sharing its cost-aware first "
+                                             "choice) ** -class_balance: 0 off, 0.5 square-root, 1 equal per label")
 
     @model_validator(mode="after")
     def _window(self) -> SftRun:

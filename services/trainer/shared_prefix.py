@@ -63,4 +63,7 @@ def target_loss(base: Any, batch: Any) -> Any:
     targets_BS = labels_BT[:, P + 1:]  # suffix position j (absolute P + j) predicts token P + j + 1
     keep_BS = targets_BS != IGNORE
     logits_NV = base.get_output_embeddings()(hidden_BSD[:, :-1][keep_BS]).float()
-    return F.cross_entropy(logits_NV, targets_BS[keep_BS])
+    if batch.weight_B is None:
+        return F.cross_entropy(logits_NV, targets_BS[keep_BS])
+    weight_N = batch.weight_B[:, None].expand_as(targets_BS)[keep_BS]  # each target token weighs its example's
+    return (F.cross_entropy(logits_NV, targets_BS[keep_BS], reduction="none") * weight_N).sum() / weight_N.sum()

@@ -14,7 +14,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -24,11 +24,13 @@ from services.common.errors import BusError, ConfigError, FanrouteError
 from services.common.files import atomic_dir
 from services.common.prompt import retarget
 from services.models.prepare import is_prepared, resolve_base
+from services.router.linear import first_choice
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
     Example,
     GateCheck,
     GateLookup,
+    balance_weights,
     batch_order,
     build_examples,
     check_gates,
@@ -196,7 +198,9 @@ def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = 
     counts.update(built.counts)
     if not built.examples:
         raise ConfigError(f"max_tokens {settings.max_tokens} cuts off the assistant turn of every training episode")
-    plan.examples = built.examples
+    labels = {ep.episode_id: first_choice(ep) for ep in train_eps}
+    weights = balance_weights([labels.get(e.episode_id) for e in built.examples], getattr(run, "class_balance", 0.0))
+    plan.examples = [replace(e, weight=w) for e, w in zip(built.examples, weights, strict=True)]
     plan.batches = batch_order([len(e.input_ids) for e in built.examples], settings.batch_size,
                                settings.bucket_window, settings.seed)
     counts.update(padding_stats(built.examples, plan.batches))

@@ -83,3 +83,29 @@ def test_no_shared_prefix_falls_back_to_one_forward(lora_model) -> None:
     base = lora_model.get_base_model()
     with torch.no_grad():
         assert torch.allclose(target_loss(base, batch), _plain_loss(lora_model, batch), rtol=0, atol=1e-7)
+
+
+def test_class_balance_weights() -> None:
+    from services.trainer.data import balance_weights
+
+    labels = ["biomed"] * 6 + ["aero"] * 3 + ["compsci"] + [None]
+    assert balance_weights(labels, 0.0) == [1.0] * len(labels)
+    full = balance_weights(labels, 1.0)
+    per_label = {lab: sum(w for w, x in zip(full, labels, strict=True) if x == lab) for lab in ("biomed", "aero", "compsci")}
+    assert max(per_label.values()) == pytest.approx(min(per_label.values()))  # equal total weight per label
+    assert sum(full[:-1]) / 10 == pytest.approx(1.0) and full[-1] == 1.0
+    half = balance_weights(labels, 0.5)
+    assert half[0] < half[6] < half[9]  # rarer labels weigh more, monotonically
+
+
+def test_weighted_loss_is_the_weighted_mean_of_row_losses(lora_model) -> None:
+    batch = _batch(prefix_len=16, suffix_lens=[5, 8], answer=2, vocab=lora_model.config.vocab_size, seed=5)
+    base = lora_model.get_base_model()
+    rows = [Batch(batch.input_ids_BT[i:i + 1], batch.attention_mask_BT[i:i + 1], batch.labels_BT[i:i + 1])
+            for i in range(2)]
+    with torch.no_grad():
+        row_losses = [float(target_loss(base, r)) for r in rows]  # each row has 2 target tokens
+        weighted = Batch(batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT, torch.tensor([3.0, 1.0]))
+        assert float(target_loss(base, weighted)) == pytest.approx((3 * row_losses[0] + row_losses[1]) / 4, abs=1e-5)
+        ones = Batch(batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT, torch.ones(2))
+        assert float(target_loss(base, ones)) == pytest.approx(float(target_loss(base, batch)), abs=1e-6)
