@@ -47,7 +47,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
                    help="OpenAI-compatible server of the adapters (the CPU sampler or vLLM)")
     p.add_argument("--router-timeout", type=float, default=2.0, help="deadline of one router call, seconds")
     p.add_argument("--router-max-tokens", type=int, default=48, help="greedy tokens the router may write (generate)")
-    p.add_argument("--router-mode", choices=("score", "generate"), default="score",
+    p.add_argument("--router-mode", choices=("score", "first-token", "generate"), default="score",
                    help="score: one completions call scores every provider name (vLLM prompt_logprobs), and the "
                         "candidate's cost-quality curve over λ is drawn; generate: the router writes its ordering")
     p.add_argument("--cost-weight", type=_non_negative, default=0.0,

@@ -41,9 +41,11 @@ class RoutingSettings(BaseModel):
                                    description="Share of requests (by request/query id hash) that keep fanning "
                                                "out, to produce unbiased labels")
     router_timeout_s: float = Field(default=2.0, gt=0, le=60, description="Deadline of one router call")
-    mode: Literal["score", "generate"] = Field(
+    mode: Literal["score", "first-token", "generate"] = Field(
         default="score", description="score: one completions call scores every provider name after the router "
-                                     "prompt (vLLM prompt_logprobs); generate: the router writes its ordering")
+                                     "prompt (vLLM prompt_logprobs); first-token: one token after the prompt "
+                                     "with its alternatives decides (names sharing a first token are scored "
+                                     "apart); generate: the router writes its ordering")
     cost_weight: float = Field(default=0.0, ge=0, le=1e6,
                                description="λ: choose the provider maximising P(best) − λ · cost per call (USD); "
                                            "0 = pure quality (scoring mode only)")

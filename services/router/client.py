@@ -1,9 +1,13 @@
 """Ask the router (the CPU sampler or vLLM, OpenAI-compatible) for an ordering of the providers.
 
 The request is the conversation the student was trained on (:mod:`services.common.prompt`). Two
-modes: ``score`` (the default) asks ``/v1/completions`` for the log-probability of each provider
-name as the continuation of that prompt, in one call (:mod:`services.router.scoring`); ``generate``
-asks ``/v1/chat/completions`` to write the ordering greedily and parses it. One deadline; every way
+modes: ``score`` asks ``/v1/completions`` for the log-probability of each provider name as the
+continuation of that prompt, in one call of K prompts (:mod:`services.router.scoring`);
+``first-token`` asks for one token after the prompt with its alternatives, which decides between
+names that start differently in one forward (names sharing a first token get a K-prompt call of
+their own, only when they could win; the first call per adapter and provider set is a K-prompt call
+that also learns the names' first tokens); ``generate`` asks ``/v1/chat/completions`` to write the
+ordering greedily and parses it. One deadline; every way
 this can fail is a :class:`RouterError` with a ``kind`` the gateway counts its fallbacks by.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -21,9 +26,23 @@ import aiohttp
 from services.common.errors import FanrouteError
 from services.common.prompt import router_messages
 from services.router.parse import ParsedOrdering, UnparseableOrdering, parse_ordering
-from services.router.scoring import ScoresUnreadable, decide, parse_scores, score_request
+from services.router.scoring import (
+    FIRST_TOKEN_TOP,
+    ScoresUnreadable,
+    decide,
+    first_token_request,
+    first_token_scores,
+    name_groups,
+    parse_scores,
+    resolve_group,
+    score_request,
+    top_logprobs,
+)
 
-RouterMode = Literal["score", "generate"]
+RouterMode = Literal["score", "first-token", "generate"]
+MODES = ("score", "first-token", "generate")
+#: (model, provider set) pairs whose names' first tokens are remembered.
+NAME_GROUPS_KEPT = 64
 
 
 class RouterError(FanrouteError, RuntimeError):
@@ -74,16 +93,20 @@ class RouterClient:
     """One HTTP session to an OpenAI-compatible server; :meth:`route` asks it for one ordering."""
 
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, max_tokens: int = 48,
-                 api_key: str | None = None, mode: RouterMode = "generate", prompt_format: str = "chatml") -> None:
+                 api_key: str | None = None, mode: RouterMode = "generate", prompt_format: str = "chatml",
+                 first_token_slack: float = 0.1, first_token_top: int = FIRST_TOKEN_TOP) -> None:
         if timeout_s <= 0 or max_tokens < 1:
             raise ValueError("timeout_s must be > 0 and max_tokens >= 1")
-        if mode not in ("score", "generate"):
-            raise ValueError(f"mode must be 'score' or 'generate', not {mode!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
         self.mode = mode
         self.prompt_format = prompt_format
+        self.first_token_slack = first_token_slack
+        self.first_token_top = first_token_top
+        self._groups: OrderedDict[tuple[str, tuple[str, ...]], dict[int, tuple[str, ...]]] = OrderedDict()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
@@ -111,19 +134,21 @@ class RouterClient:
         assert self._session is not None
         budget = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
+        if self.mode == "first-token":
+            try:
+                async with asyncio.timeout(budget):
+                    return await self._first_token(model, providers, query, t0)
+            except TimeoutError:
+                raise RouterTimeout(f"router {model} gave no answer within {budget:g}s") from None
         if self.mode == "score":
             path, payload = "/v1/completions", score_request(model, providers, query, prompt_format=self.prompt_format)
         else:
             path, payload = "/v1/chat/completions", chat_request(model, providers, query, self.max_tokens)
         try:
             async with asyncio.timeout(budget):
-                async with self._session.post(f"{self.base_url}{path}", json=payload) as r:
-                    body = await r.read()
-                    status = r.status
+                status, body = await self._post(model, path, payload)
         except TimeoutError:
             raise RouterTimeout(f"router {model} gave no answer within {budget:g}s") from None
-        except aiohttp.ClientError as exc:
-            raise RouterError(f"router {model} unreachable at {self.base_url}: {type(exc).__name__}: {exc}") from exc
         latency_ms = (time.perf_counter() - t0) * 1000.0
         if self.mode == "score":
             return _scored(model, providers, status, body, latency_ms)
@@ -133,6 +158,60 @@ class RouterClient:
         except UnparseableOrdering as exc:
             raise RouterUnparseable(str(exc), raw=raw) from exc
         return RouterAnswer(parsed, raw, round(latency_ms, 3))
+
+    async def _post(self, model: str, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        assert self._session is not None
+        try:
+            async with self._session.post(f"{self.base_url}{path}", json=payload) as r:
+                return r.status, await r.read()
+        except aiohttp.ClientError as exc:
+            raise RouterError(f"router {model} unreachable at {self.base_url}: {type(exc).__name__}: {exc}") from exc
+
+    async def _exact_scores(self, model: str, providers: Sequence[str], names: Sequence[str], query: str,
+                            prompt_tokens: int) -> dict[str, float]:
+        """Each of ``names``' whole log-probability after the ``prompt_tokens``-token router prompt (one call)."""
+        status, body = await self._post(model, "/v1/completions", score_request(
+            model, providers, query, prompt_format=self.prompt_format, candidates=names))
+        if status != 200:
+            raise RouterError(f"router {model}: HTTP {status}: {error_reason(body)}", status=status)
+        try:
+            return parse_scores(json.loads(body), names, prompt_tokens=prompt_tokens)
+        except (ValueError, AttributeError) as exc:
+            raise RouterUnparseable(f"router {model}: no candidate scores: {exc}",
+                                    raw=body[:300].decode(errors="replace")) from exc
+
+    async def _first_token(self, model: str, providers: Sequence[str], query: str, t0: float) -> RouterAnswer:
+        """The first-token decision (module docstring); the K-prompt answer when it cannot be made."""
+        status, body = await self._post(model, "/v1/completions", first_token_request(
+            model, providers, query, prompt_format=self.prompt_format, top=self.first_token_top))
+        if status != 200:
+            raise RouterError(f"router {model}: HTTP {status}: {error_reason(body)}", status=status)
+        try:
+            top, prompt_tokens = top_logprobs(json.loads(body))
+        except ValueError as exc:
+            raise RouterUnparseable(f"router {model}: {exc}", raw=body[:300].decode(errors="replace")) from exc
+        key = (model, tuple(providers))
+        groups = self._groups.get(key)
+        found = first_token_scores(top, groups, self.first_token_slack) if groups is not None else None
+        if found is None:  # names not learned yet (or the best name's first token unlisted): K prompts
+            status, kbody = await self._post(model, "/v1/completions",
+                                             score_request(model, providers, query, prompt_format=self.prompt_format))
+            answer = _scored(model, providers, status, kbody, 0.0)
+            if groups is None:
+                try:
+                    self._groups[key] = name_groups(json.loads(kbody), providers, prompt_tokens)
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise RouterUnparseable(f"router {model}: {exc}") from exc
+                while len(self._groups) > NAME_GROUPS_KEPT:
+                    self._groups.popitem(last=False)
+            scores = answer.scores or {}
+        else:
+            scores, unresolved = found
+            for group in unresolved:
+                resolve_group(scores, await self._exact_scores(model, providers, group, query, prompt_tokens))
+        parsed = ParsedOrdering(tiers=tuple((n,) for n in decide(scores, {}, 0.0)), unknown=(), missing=())
+        return RouterAnswer(parsed, "", round((time.perf_counter() - t0) * 1000.0, 3),
+                            scores={n: round(s, 6) for n, s in scores.items()})
 
 
 def _scored(model: str, providers: Sequence[str], status: int, body: bytes, latency_ms: float) -> RouterAnswer:

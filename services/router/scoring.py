@@ -21,10 +21,13 @@ class ScoresUnreadable(ValueError):
     """A completions reply without the per-token prompt log-probabilities of every candidate."""
 
 
-def score_request(model: str, providers: Sequence[str], query: str, *, prompt_format: str = "chatml") -> dict[str, Any]:
-    """The completions body that scores every provider name after the router prompt (greedy, 1 token)."""
+def score_request(model: str, providers: Sequence[str], query: str, *, prompt_format: str = "chatml",
+                  candidates: Sequence[str] | None = None) -> dict[str, Any]:
+    """The completions body that scores every provider name (or only ``candidates``) after the router
+    prompt listing ``providers`` (greedy, 1 token)."""
     prefix = RENDERERS[prompt_format](router_messages(providers, query), add_generation_prompt=True)
-    return {"model": model, "prompt": [prefix + name for name in providers], "max_tokens": 1,
+    return {"model": model, "prompt": [prefix + name for name in (providers if candidates is None else candidates)],
+            "max_tokens": 1,
             "temperature": 0.0, "prompt_logprobs": 0}
 
 
@@ -43,8 +46,9 @@ def _token_logprobs(entries: Any) -> list[tuple[int, float]]:
     return out
 
 
-def parse_scores(body: Mapping[str, Any], providers: Sequence[str]) -> dict[str, float]:
-    """Provider → summed log-probability of its name's tokens (up to a shared constant)."""
+def parse_scores(body: Mapping[str, Any], providers: Sequence[str], *, prompt_tokens: int | None = None) -> dict[str, float]:
+    """Provider → summed log-probability of its name's tokens: after the prompts' common prefix (up to a
+    constant shared by every candidate), or after the first ``prompt_tokens`` tokens when given (exact)."""
     choices = body.get("choices")
     if not isinstance(choices, list) or len(choices) != len(providers):
         raise ScoresUnreadable(f"expected {len(providers)} choices, got "
@@ -62,7 +66,10 @@ def parse_scores(body: Mapping[str, Any], providers: Sequence[str]) -> dict[str,
     shared = common_prefix([[t for t, _ in seq] for seq in seqs])
     if len(providers) > 1 and any(len(seq) == shared for seq in seqs):
         raise ScoresUnreadable("two candidates tokenize to the same sequence")
-    return {name: math.fsum(lp for _, lp in seq[shared:]) for name, seq in zip(providers, seqs, strict=True)}
+    start = shared if prompt_tokens is None else prompt_tokens - 1  # seqs drop the first prompt token
+    if start > shared:
+        raise ScoresUnreadable(f"the prompts differ before token {prompt_tokens}: not the router prompt + names")
+    return {name: math.fsum(lp for _, lp in seq[start:]) for name, seq in zip(providers, seqs, strict=True)}
 
 
 def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
@@ -91,3 +98,84 @@ def decide(scores: Mapping[str, float], cost_usd: Mapping[str, float], cost_weig
     """Providers by utility, best first; ties go to the cheaper, then by name."""
     util = utilities(probabilities(scores), cost_usd, cost_weight)
     return tuple(sorted(util, key=lambda n: (-util[n], cost_usd.get(n, 0.0), n)))
+
+
+# ----------------------------------------------------------------------------- first-token decisions
+#
+# The K-prompt call forwards every name after the prompt. Most provider names start with a token no
+# other name starts with, so one forward over the prompt (its system turn from the prefix cache) gives
+# their first-token log-probabilities: a standard one-token completion with ``logprobs``. Only names
+# that share a first token (``web-lexical``/``web-semantic``) need their own K-prompt call, and only
+# when their shared token could win. A singleton's score drops its name's later tokens (their
+# probability after the first is ≈ 1 for a trained router); how often that changes the decision is
+# measured by ``bench/router_decision.py`` against the K-prompt path.
+
+#: Alternatives per position asked for (vLLM's default ``max_logprobs``).
+FIRST_TOKEN_TOP = 20
+
+
+def first_token_request(model: str, providers: Sequence[str], query: str, *, prompt_format: str = "chatml",
+                        top: int = FIRST_TOKEN_TOP) -> dict[str, Any]:
+    """The completions body for one greedy token after the router prompt, with its ``top`` alternatives
+    keyed by token id (``return_tokens_as_token_ids``; vLLM and the CPU sampler both accept it)."""
+    prompt = RENDERERS[prompt_format](router_messages(providers, query), add_generation_prompt=True)
+    return {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": top,
+            "return_tokens_as_token_ids": True}
+
+
+def name_groups(body: Mapping[str, Any], providers: Sequence[str], prompt_tokens: int) -> dict[int, tuple[str, ...]]:
+    """First token id → the provider names that start with it, read from a K-prompt reply (``body``) whose
+    prompts are the ``prompt_tokens``-token router prompt followed by each name."""
+    choices = sorted(body["choices"], key=lambda c: c.get("index", 0))
+    seqs = [[t for t, _ in _token_logprobs(c.get("prompt_logprobs"))] for c in choices]
+    at = prompt_tokens - 1  # prompt_logprobs' first entry (no logprob) is dropped: position p is seqs[.][p - 1]
+    if len(seqs) != len(providers) or any(len(s) <= at for s in seqs) or common_prefix(seqs) < at:
+        raise ScoresUnreadable(f"the K-prompt reply does not extend the {prompt_tokens}-token prompt by each name")
+    groups: dict[int, list[str]] = {}
+    for name, seq in zip(providers, seqs, strict=True):
+        groups.setdefault(seq[at], []).append(name)
+    return {t: tuple(names) for t, names in groups.items()}
+
+
+def top_logprobs(body: Mapping[str, Any]) -> tuple[dict[int, float], int]:
+    """(token id → logprob of the first generated token's alternatives, the prompt's token count)."""
+    try:
+        choice = body["choices"][0]
+        entries = choice["logprobs"]["top_logprobs"][0]
+        out = {int(str(k).removeprefix("token_id:")): float(v) for k, v in entries.items()}
+        prompt_tokens = int(body["usage"]["prompt_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise ScoresUnreadable(f"no first-token logprobs keyed by token id ({type(exc).__name__}: {exc})") from exc
+    if not out:
+        raise ScoresUnreadable("the first token came with no alternatives")
+    return out, prompt_tokens
+
+
+def first_token_scores(top: Mapping[int, float], groups: Mapping[int, Sequence[str]],
+                       slack: float) -> tuple[dict[str, float], list[tuple[str, ...]]] | None:
+    """Scores from the first-token alternatives: a name alone on its first token scores that token's
+    logprob; each name of a shared token gets the token's logprob split evenly, and the group is returned
+    to be resolved when the token's probability is within ``slack`` of the best single name's (else no
+    member can win). A first token missing from the alternatives is bounded by the least one listed.
+    None when the best candidate's first token is not listed at all: ask the K-prompt way instead."""
+    floor = min(top.values())
+    token_lp = {t: top.get(t, floor) for t in groups}
+    best = max(token_lp, key=lambda t: (token_lp[t], t in top))  # an unlisted token is at most the floor
+    if best not in top:
+        return None
+    probs = probabilities({str(t): lp for t, lp in token_lp.items()})
+    singles = [probs[str(t)] for t, names in groups.items() if len(names) == 1]
+    best_single = max(singles, default=0.0)
+    scores: dict[str, float] = {}
+    unresolved = []
+    for t, names in groups.items():
+        for n in names:
+            scores[n] = token_lp[t] - math.log(len(names))
+        if len(names) > 1 and t in top and probs[str(t)] >= best_single - slack:
+            unresolved.append(tuple(names))
+    return scores, unresolved
+
+
+def resolve_group(scores: dict[str, float], exact: Mapping[str, float]) -> None:
+    """Replace a shared first token's even split by its names' K-prompt scores (in place)."""
+    scores.update(exact)

@@ -294,6 +294,6 @@ def _top_entries(logprobs_V: Any, sampled: int, k: int) -> list[tuple[int, float
 
     entries = [(sampled, float(logprobs_V[sampled]))]
     if k > 0:
-        values_K, ids_K = torch.topk(logprobs_V, k)
+        values_K, ids_K = torch.topk(logprobs_V, min(k, logprobs_V.shape[-1]))  # k ≤ vocabulary
         entries += [(int(i), float(v)) for i, v in zip(ids_K, values_K) if int(i) != sampled]
     return entries

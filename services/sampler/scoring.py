@@ -362,7 +362,7 @@ class Scorer:
             tops: dict[int, tuple[tuple[int, float], ...]] = {}
             need = [i - lo for i in range(lo, hi) if k_need[i]]
             if need:
-                top_v, top_i = torch.topk(lp[need], max(k_need[lo:hi]), dim=-1)
+                top_v, top_i = torch.topk(lp[need], min(max(k_need[lo:hi]), lp.shape[-1]), dim=-1)  # k ≤ vocabulary
                 for j, i in enumerate(need):
                     k = k_need[i + lo]
                     tops[i + lo] = tuple(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist()))
@@ -399,7 +399,7 @@ def _row_stats(row: Any, token: int, k: int) -> PositionStats:
     import torch
 
     v = row[token]
-    top = torch.topk(row, k) if k else None
+    top = torch.topk(row, min(k, row.shape[-1])) if k else None  # k ≤ vocabulary
     return PositionStats(token, float(v), int((row >= v).sum()),
                          tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ())
 

@@ -130,10 +130,12 @@ async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any
     max_tokens = req.max_tokens if req.max_tokens is not None else s.settings.default_max_tokens
     plans = [(ids, sampling_params(req, s.settings, s.check_prompt(ids, max_tokens, "prompt"), req.logprobs))
              for ids in prompts]
-    if req.prompt_logprobs is None:
+    if req.prompt_logprobs is None and max_tokens != 1:
         done = [(None, await s.generate(entry, ids, params)) for ids, params in plans]
     else:  # one scoring pass for every prompt (batched with concurrent requests), then the tokens
-        done = await s.score(entry, [ids for ids, _ in plans], req.prompt_logprobs, [p for _, p in plans])
+        done = await s.score(entry, [ids for ids, _ in plans], req.prompt_logprobs or 0, [p for _, p in plans])
+        if req.prompt_logprobs is None:  # a one-token completion: the prefix cache serves it, as vLLM's does
+            done = [(None, gen) for _, gen in done]
     choices, n_prompt, n_completion = [], 0, 0
     for index, (scored, gen) in enumerate(done):
         choices.append({

@@ -1,0 +1,193 @@
+"""SFT recipes compared on the training split's own validation queries — never on the held-out ones.
+
+The demo's held-out queries are what its report and the promotion rule read, so nothing may be
+chosen on them. This splits the *training* episodes by query (``--val-fraction``, by the same hash as
+the trainer), trains each recipe on the rest for ``--passes`` chained one-pass runs (each pass starts
+from the last one's adapter, as the demo does), and after every pass asks the adapter exactly as the
+gateway does (score mode, λ = 0: every provider name scored as the continuation of the router
+prompt) about every validation query. Per recipe and pass it reports routed nDCG@10 against the
+human qrels, agreement with the judge's cost-aware first choice, the judge-tier grade of the choice
+and the provider shares; beside them, on the same validation queries: the linear router fitted on
+the same episodes, the best single provider chosen on them, and the judge-oracle (the label).
+
+    python bench/sft_recipes.py --episodes out/demo/train/episodes.jsonl --traces out/demo/eval/traces.jsonl \\
+        --recipes first,balanced --passes 4
+
+Writes bench/results/sft_recipes.json and a PNG of validation nDCG by pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+#: Recipe name → the trainer settings it changes (``run.*`` and ``lora.*`` are nested fields).
+RECIPES: dict[str, dict[str, Any]] = {
+    "first": {},
+    "ordering": {"run.target": "ordering"},
+    "balanced": {"run.class_balance": 0.5},
+    "balanced-full": {"run.class_balance": 1.0},
+    "lora-r16-mlp": {"lora.r": 16, "lora.alpha": 32,
+                     "lora.target_modules": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
+    "lr-5e-4": {"lr": 5e-4},
+    "cosine": {"lr_schedule": "cosine"},
+}
+
+
+def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed: int) -> Any:
+    from services.trainer.settings import TrainerSettings
+
+    fields: dict[str, Any] = {"episodes_file": fit_file, "output_dir": out, "init_adapter": init, "seed": seed,
+                              "allow_uncalibrated": True, "grades_source": "ordering", "eval_fraction": 0.0,
+                              "max_steps": 100_000, "checkpoint_every": 0, "run": {"type": "sft", "target": "first"},
+                              "lora": {}}
+    for key, value in RECIPES[recipe].items():
+        head, _, sub = key.partition(".")
+        if sub:
+            fields[head][sub] = value
+        else:
+            fields[head] = value
+    return TrainerSettings(**fields)
+
+
+def tier_grades(ep: Any) -> dict[str, float]:
+    """Each provider's grade from the judge's ordering: the top tier gets the number of tiers, down to 1."""
+    from services.common.ndcg import parse_ordering
+
+    tiers = parse_ordering(ep.messages[-1].content)
+    return {name: float(len(tiers) - i) for i, tier in enumerate(tiers) for name in tier}
+
+
+def routed_picks(adapter: Path, base: Path, items: list[Any], pad_id: int) -> dict[str, str]:
+    """episode id → the provider the adapter's scores choose (argmax, as the gateway at λ = 0)."""
+    import torch
+    from peft import PeftModel
+
+    from services.models.load import load_causal_lm
+    from services.router.scoring import decide
+    from services.trainer.route_eval import name_scores
+
+    model = PeftModel.from_pretrained(load_causal_lm(base, torch.float32), str(adapter)).eval()
+    return {it.episode_id: decide(name_scores(model, it, pad_id), {}, 0.0)[0] for it in items}
+
+
+def summary(picks: dict[str, str], val: list[Any], human: dict[str, dict[str, float]],
+            labels: dict[str, str | None], grades: dict[str, dict[str, float]]) -> dict[str, Any]:
+    rated = [ep for ep in val if human.get(ep.trace_id) and ep.episode_id in picks]
+    ndcg = [human[ep.trace_id].get(picks[ep.episode_id], 0.0) for ep in rated]
+    agree = [picks[ep.episode_id] == labels[ep.episode_id] for ep in val if ep.episode_id in picks]
+    grade = [grades[ep.episode_id].get(picks[ep.episode_id], 0.0) for ep in val if ep.episode_id in picks]
+    shares = Counter(picks[ep.episode_id] for ep in val if ep.episode_id in picks)
+    n = max(len(agree), 1)
+    return {"ndcg10": sum(ndcg) / max(len(ndcg), 1), "n_qrels": len(ndcg), "agree": sum(agree) / n,
+            "tier_grade": sum(grade) / n, "shares": {k: round(v / n, 3) for k, v in sorted(shares.items())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=Path, required=True, help="The TRAINING split's episodes (JSONL)")
+    ap.add_argument("--traces", type=Path, required=True, help="Fan-out traces covering those episodes (JSONL)")
+    ap.add_argument("--recipes", default="first,balanced", help=f"Comma-separated, of: {', '.join(RECIPES)}")
+    ap.add_argument("--passes", type=int, default=4)
+    ap.add_argument("--val-fraction", type=float, default=0.25)
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-sft-recipes"))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/sft_recipes.json")
+    args = ap.parse_args(argv)
+    recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
+
+    from transformers import AutoTokenizer
+
+    from services.common.dataset import write_jsonl
+    from services.common.prompt import providers_of, query_of
+    from services.evaluate.baseline import choose_best_single
+    from services.evaluate.inputs import load_traces_file
+    from services.evaluate.scoring import human_scores
+    from services.judge.calibration.human import QrelsStore
+    from services.models.prepare import resolve_base
+    from services.router.linear import first_choice, fit
+    from services.trainer.data import load_episodes_file, split_by_query
+    from services.trainer.route_eval import route_items
+    from services.trainer.train import train
+
+    episodes = load_episodes_file(args.episodes)
+    fit_eps, val = split_by_query(episodes, args.val_fraction)
+    traces = {t.trace_id: t for t in load_traces_file(args.traces)}
+    store = QrelsStore()
+    human = {ep.trace_id: h for ep in val if ep.trace_id in traces
+             and (h := human_scores(traces[ep.trace_id], store)) is not None}
+    labels = {ep.episode_id: first_choice(ep) for ep in val}
+    grades = {ep.episode_id: tier_grades(ep) for ep in val}
+    print(f"{len(fit_eps)} fit episodes, {len(val)} validation episodes ({len(human)} with qrels)", flush=True)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    fit_file = args.work_dir / "fit.jsonl"
+    write_jsonl(fit_eps, fit_file)
+
+    base = resolve_base(settings_for("first", fit_file, args.work_dir, None, 0).base_model, prepare=True)
+    tok = AutoTokenizer.from_pretrained(base)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    items = route_items(tok, val, [grades[ep.episode_id] for ep in val], [providers_of(ep) for ep in val])
+
+    linear = fit(fit_eps, seed=0)
+    best = choose_best_single(fit_eps).provider
+    rows: list[dict[str, Any]] = [
+        {"policy": "linear router", **summary({ep.episode_id: max(s := linear.scores(query_of(ep),
+                                                                                        providers_of(ep)), key=s.get)
+                                               for ep in val}, val, human, labels, grades)},
+        {"policy": f"best single ({best})", **summary({ep.episode_id: best for ep in val}, val, human, labels, grades)},
+        {"policy": "judge-oracle (the label)", **summary({k: v for k, v in labels.items() if v}, val, human, labels,
+                                                         grades)},
+    ]
+    for r in rows:
+        print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f}", flush=True)
+    for recipe in recipes:
+        init = None
+        for p in range(1, args.passes + 1):
+            t0 = time.perf_counter()
+            run = train(settings_for(recipe, fit_file, args.work_dir / recipe / f"pass{p}", init, p),
+                        out=lambda line: None)
+            init = run.adapter_dir
+            row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
+                   **summary(routed_picks(init, base, items, pad_id), val, human, labels, grades)}
+            rows.append(row)
+            print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
+                  f"grade {row['tier_grade']:.2f} ({row['train_s']:.0f} s) {row['shares']}", flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"fit_episodes": len(fit_eps), "val_episodes": len(val),
+                                            "val_with_qrels": len(human), "rows": rows}, indent=2) + "\n")
+    plot(rows, args.out.with_suffix(".png"))
+    return 0
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(r["policy"] for r in rows if "pass" in r):
+        pts = [(r["pass"], r["ndcg10"]) for r in rows if r["policy"] == name and "pass" in r]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    for r, style in zip([r for r in rows if "pass" not in r], (":", "--", "-."), strict=False):
+        ax.axhline(r["ndcg10"], linestyle=style, color="grey", label=r["policy"])
+    ax.set_xlabel("chained one-pass SFT runs")
+    ax.set_ylabel("validation nDCG@10 (human qrels)")
+    ax.set_title("SFT recipes on the training split's validation queries")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""The first-token decision: one token after the router prompt with its alternatives decides between
+names that start differently; names sharing a first token are split by their own K-prompt call. On
+the tiny model served by the CPU sampler it gives the K-prompt path's scores and decisions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.router.scoring import (
+    ScoresUnreadable,
+    first_token_request,
+    first_token_scores,
+    name_groups,
+    resolve_group,
+    top_logprobs,
+)
+
+
+def _k_choice(ids: list[int], index: int) -> dict:
+    return {"index": index, "prompt_logprobs": [None, *({str(t): {"logprob": -0.5}} for t in ids[1:])]}
+
+
+def test_the_request_is_one_token_with_alternatives_by_id() -> None:
+    body = first_token_request("router@2", ("aero", "biomed"), "heat transfer", top=7)
+    assert body["max_tokens"] == 1 and body["logprobs"] == 7 and body["return_tokens_as_token_ids"] is True
+    assert body["prompt"].endswith("<|im_start|>assistant\n") and "prompt_logprobs" not in body
+
+
+def test_groups_are_read_from_a_k_prompt_reply() -> None:
+    # a 3-token prompt [1 2 3], then: aero = [40], web-lex = [50 61], web-sem = [50 62]
+    body = {"choices": [_k_choice([1, 2, 3, 40], 0), _k_choice([1, 2, 3, 50, 61], 1), _k_choice([1, 2, 3, 50, 62], 2)]}
+    assert name_groups(body, ("aero", "web-lex", "web-sem"), 3) == {40: ("aero",), 50: ("web-lex", "web-sem")}
+    with pytest.raises(ScoresUnreadable):
+        name_groups(body, ("aero", "web-lex", "web-sem"), 5)  # the reply is not this prompt + names
+
+
+def test_scores_bounds_and_when_a_group_must_be_resolved() -> None:
+    groups = {40: ("aero",), 41: ("biomed",), 50: ("web-lex", "web-sem")}
+    scores, unresolved = first_token_scores({40: math.log(0.5), 41: math.log(0.1), 50: math.log(0.3), 9: -1.0},
+                                            groups, slack=0.0)
+    assert scores["aero"] == pytest.approx(math.log(0.5)) and scores["web-lex"] == pytest.approx(math.log(0.15))
+    assert unresolved == []  # "web" (0.3) cannot beat aero (0.5)
+    _, unresolved = first_token_scores({40: math.log(0.3), 41: math.log(0.1), 50: math.log(0.5)}, groups, slack=0.0)
+    assert unresolved == [("web-lex", "web-sem")]
+    # biomed's token is not listed: bounded by the least listed; the best unlisted → ask the K-prompt way
+    scores, _ = first_token_scores({40: -0.1, 50: -3.0}, groups, slack=0.0)
+    assert scores["biomed"] == -3.0
+    assert first_token_scores({7: -0.1, 40: -3.0, 41: -3.0}, {40: ("aero",), 41: ("b",), 42: ("c",)}, 0.0) is not None
+    assert first_token_scores({7: -0.1, 41: -3.0}, {40: ("aero",), 41: ("b",)}, 0.0) is not None
+    assert first_token_scores({7: -0.1}, {40: ("aero",), 41: ("b",)}, 0.0) is None
+
+
+def test_resolving_a_group_gives_its_names_their_exact_scores() -> None:
+    scores = {"a": -1.0, "w1": math.log(0.4) - math.log(2), "w2": math.log(0.4) - math.log(2)}
+    resolve_group(scores, {"w1": math.log(0.3), "w2": math.log(0.05)})
+    assert scores == {"a": -1.0, "w1": math.log(0.3), "w2": math.log(0.05)}
+    # exact scores count from the end of the prompt: "web-" is part of each name, not of the prompt
+    body = {"choices": [{"index": 0, "prompt_logprobs": [None, {"2": {"logprob": -0.1}}, {"50": {"logprob": -0.7}},
+                                                         {"61": {"logprob": -0.3}}]},
+                        {"index": 1, "prompt_logprobs": [None, {"2": {"logprob": -0.1}}, {"50": {"logprob": -0.7}},
+                                                         {"62": {"logprob": -1.5}}]}]}
+    from services.router.scoring import parse_scores
+
+    assert parse_scores(body, ("w1", "w2"), prompt_tokens=2) == pytest.approx({"w1": -1.0, "w2": -2.2})
+    assert parse_scores(body, ("w1", "w2")) == pytest.approx({"w1": -0.3, "w2": -1.5})
+    with pytest.raises(ScoresUnreadable):
+        parse_scores(body, ("w1", "w2"), prompt_tokens=4)
+
+
+def test_top_logprobs_reads_token_id_keys_and_refuses_other_shapes() -> None:
+    body = {"choices": [{"logprobs": {"top_logprobs": [{"token_id:5": -0.2, "token_id:9": -2.0}]}}],
+            "usage": {"prompt_tokens": 12}}
+    assert top_logprobs(body) == ({5: -0.2, 9: -2.0}, 12)
+    with pytest.raises(ScoresUnreadable):
+        top_logprobs({"choices": [{"logprobs": None}]})
+
+
+# ----------------------------------------------------------------------------- on the CPU sampler
+
+SINGLE = ("a", "b", "c", "bio", "dense")  # one token each in the tiny tokenizer
+SHARED = ("a", "bio", "dense-all", "dense-bio")  # the last two start with the token "dense"
+QUERIES = ("what is a cell?", "supersonic wing", "library indexing", "heart of a mouse", "0123", "the quick fox",
+           "retrieval of proteins", "which search provider")
+
+
+@pytest.fixture
+async def served_tiny(tmp_path):
+    from services.common.settings import KafkaSettings
+    from services.sampler.app import create_app
+    from services.sampler.engine import Engine
+    from services.sampler.serving import Sampler
+    from services.sampler.settings import SamplerSettings
+    from tests.support.serving import free_port, served
+    from tests.support.tiny_model import build_lora_adapter, build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base", context=512)
+    adapter = build_lora_adapter(base, tmp_path / "lora", seed=3)
+    settings = SamplerSettings(base_model="unused", served_model_name="tiny", adapter_cache_dir=tmp_path / "cache",
+                               kafka=KafkaSettings(bootstrap_servers="memory://"), consume_adapters=False,
+                               max_logprobs=1000)
+    sampler = Sampler(settings, engine=Engine(base))
+    await sampler.start()
+    try:
+        async with served(create_app(settings, sampler=sampler), free_port(), what="tiny sampler") as url:
+            import aiohttp
+
+            async with aiohttp.ClientSession() as http:
+                r = await http.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "router@1", "lora_path": str(adapter)})
+                assert r.status == 200, await r.text()
+            yield url
+    finally:
+        await sampler.stop()
+
+
+async def test_first_token_equals_the_k_prompt_path_on_the_tiny_model(served_tiny) -> None:
+    from services.router.client import RouterClient
+
+    async with RouterClient(served_tiny, mode="score", timeout_s=30) as k_prompt, \
+            RouterClient(served_tiny, mode="first-token", timeout_s=30, first_token_top=1000,
+                         first_token_slack=1.0) as first:
+        for names in (SINGLE, SHARED):
+            for query in QUERIES:
+                want = await k_prompt.route("router@1", names, query)
+                got = await first.route("router@1", names, query)
+                assert got.ordering[0] == want.ordering[0], (names, query)
+                # one-token names: the first token's logprob is the name's whole score; the two names
+                # sharing "dense" are resolved by their own call (slack 1: always) to their exact scores
+                offset = want.scores["a"] - got.scores["a"]  # the K-prompt path's scores share a constant
+                assert {n: v + offset for n, v in got.scores.items()} == pytest.approx(want.scores, abs=2e-4)
+        assert set(first._groups) == {("router@1", SINGLE), ("router@1", SHARED)}
+        assert first._groups[("router@1", SHARED)][next(t for t, n in first._groups[("router@1", SHARED)].items()
+                                                        if len(n) == 2)] == ("dense-all", "dense-bio")
