@@ -13,12 +13,22 @@ the provider for the same queries (``sample_queries(seed=0)``), closed loop, at 
   messages (``add_generation_prompt=True``) followed by each provider name of the market,
   ``max_tokens=1, temperature=0, prompt_logprobs=0``; the decision is the provider whose name's
   tokens have the highest summed logprob.
+* ``first-token``: the gateway's ``RouterClient`` in ``first-token`` mode: one one-token completion of
+  the prompt with its 20 alternatives decides between names that start differently; the two ``web-``
+  names (one first token) get a K-prompt call of their own when they could win. Its decisions are
+  compared query by query with the ``score`` path's (``agreement_first_token_vs_score``).
+
+``--adapter DIR`` serves a trained adapter instead of a fresh one (agreement means little on an
+untrained one), and ``--queries-file`` takes the queries from a traces or episodes JSONL (for example
+the demo's held-out traces) instead of ``sample_queries``.
 
 Latency is client-side per decision (HTTP included); ``--warmup`` decisions per path and level are
 not measured. Reports p50/p99 per path and level and the ratio generate/score, as a table and as
 JSON (bench/results/router_decision.json), with the load average before and after.
 
     python bench/router_decision.py --decisions 200 --concurrency 1,20
+    python bench/router_decision.py --paths score,first-token --adapter out/demo/train/run/adapter \
+        --queries-file out/demo/eval/held_out_traces.jsonl --decisions 186
 """
 
 from __future__ import annotations
@@ -39,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp
 import numpy as np
 
-PATHS = ("generate", "score")
+PATHS = ("generate", "score", "first-token")
 LORA = {"r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}
 
 
@@ -77,6 +87,7 @@ class Case:
         from services.common.prompt import router_messages
         from services.router.client import chat_request
 
+        self.model, self.query = model, query
         self.chat = chat_request(model, names, query, gen_tokens)
         text = tokenizer.apply_chat_template(router_messages(names, query), add_generation_prompt=True,
                                              tokenize=False)
@@ -86,11 +97,14 @@ class Case:
 
 
 async def decide(http: aiohttp.ClientSession, base: str, path: str, case: Case,
-                 names: list[str]) -> tuple[float, str | None, int]:
+                 names: list[str], client: Any = None) -> tuple[float, str | None, int]:
     """One decision: (latency ms, the provider chosen or None, completion tokens)."""
     from services.router.parse import UnparseableOrdering, parse_ordering
 
     t0 = time.perf_counter()
+    if path == "first-token":
+        answer = await client.route(case.model, names, case.query)
+        return (time.perf_counter() - t0) * 1000.0, answer.ordering[0], 1
     url, body = (("/v1/chat/completions", case.chat) if path == "generate" else ("/v1/completions", case.score))
     async with http.post(base + url, json=body) as r:
         data = await r.json()
@@ -110,28 +124,49 @@ async def decide(http: aiohttp.ClientSession, base: str, path: str, case: Case,
 async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: list[Case], names: list[str],
                       concurrency: int, progress_every: int) -> dict[str, Any]:
     """``len(cases)`` decisions by ``concurrency`` workers, each sending its next one as soon as it has an answer."""
+    from services.router.client import RouterClient
+
     queue = list(enumerate(cases))
     lat: list[float] = []
-    chosen: list[str | None] = []
+    chosen: list[str | None] = [None] * len(cases)
     tokens: list[int] = []
     t0 = time.perf_counter()
+    client = RouterClient(base, mode="first-token", timeout_s=60.0) if path == "first-token" else None
+    if client is not None:  # learn the names' first tokens before the clock matters (once per adapter)
+        await client.route(cases[0].model, names, cases[0].query)
+        t0 = time.perf_counter()
 
     async def worker() -> None:
         while queue:
-            _, case = queue.pop(0)
-            ms, choice, n = await decide(http, base, path, case, names)
+            i, case = queue.pop(0)
+            ms, choice, n = await decide(http, base, path, case, names, client)
             lat.append(ms)
-            chosen.append(choice)
+            chosen[i] = choice
             tokens.append(n)
             if progress_every and len(lat) % progress_every == 0:
                 print(f"  [{path} c={concurrency}] {len(lat)}/{len(cases)} decisions, "
                       f"p50 so far {np.percentile(lat, 50):.0f} ms", file=sys.stderr, flush=True)
 
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    try:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    finally:
+        if client is not None:
+            await client.close()
     wall = time.perf_counter() - t0
     return {**pct(lat), "decisions_per_s": len(lat) / wall, "wall_s": wall,
             "completion_tokens_mean": float(np.mean(tokens)),
-            "undecided": sum(c is None for c in chosen)}
+            "undecided": sum(c is None for c in chosen), "chosen": chosen}
+
+
+def load_queries(path: Path) -> list[str]:
+    """The queries of a traces or episodes JSONL (``query``, or the episode's user turn), in file order."""
+    out = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            out.append(rec["query"] if "query" in rec else
+                       next(m["content"] for m in rec["messages"] if m["role"] == "user"))
+    return out
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -164,13 +199,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         out["torch_threads"] = torch.get_num_threads()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as http:
             model = "base"
+            if args.adapter is not None:
+                out["adapter"] = {"kind": f"trained ({args.adapter})"}
             if not args.no_adapter:
-                path = fresh_adapter(args.base, Path(tempfile.mkdtemp(prefix="bench-rd-lora-")) / "router")
+                path = args.adapter or fresh_adapter(args.base, Path(tempfile.mkdtemp(prefix="bench-rd-lora-")) / "router")
                 async with http.post(base + "/v1/load_lora_adapter",
                                      json={"lora_name": "router@1", "lora_path": str(path)}) as r:
                     assert r.status == 200, await r.text()
                 model = "router@1"
-            queries = [q.text for q in sample_queries(limit=args.decisions + args.warmup, seed=0)]
+            queries = (load_queries(args.queries_file)[:args.decisions + args.warmup] if args.queries_file else
+                       [q.text for q in sample_queries(limit=args.decisions + args.warmup, seed=0)])
+            out["queries"] = str(args.queries_file) if args.queries_file else "sample_queries(seed=0)"
             tok = sampler.eng.tokenizer
             cases = [Case(tok, model, names, q, args.gen_tokens) for q in queries]
             out["score_prompt_tokens_mean"] = float(np.mean([c.prefix_len for c in cases]))
@@ -182,10 +221,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     await closed_loop(http, base, path, cases[:args.warmup], names, min(level, args.warmup or 1), 0)
                     results[f"{path}@{level}"] = await closed_loop(http, base, path, cases[args.warmup:], names,
                                                                    level, args.progress)
+            chosen = {k: r.pop("chosen") for k, r in results.items()}
             out["results"] = results
             out["ratio_generate_over_score"] = {
                 str(level): {q: results[f"generate@{level}"][q] / results[f"score@{level}"][q]
-                             for q in ("p50", "p99")} for level in levels} if len(args.paths) == 2 else {}
+                             for q in ("p50", "p99")} for level in levels} \
+                if {"generate", "score"} <= set(args.paths) else {}
+            out["ratio_score_over_first_token"] = {
+                str(level): {q: results[f"score@{level}"][q] / results[f"first-token@{level}"][q]
+                             for q in ("p50", "p99")} for level in levels} \
+                if {"score", "first-token"} <= set(args.paths) else {}
+            if {"score", "first-token"} <= set(args.paths):
+                pairs = [(a, b) for level in levels
+                         for a, b in zip(chosen[f"score@{level}"], chosen[f"first-token@{level}"], strict=True)]
+                out["agreement_first_token_vs_score"] = {"same": sum(a == b for a, b in pairs), "n": len(pairs),
+                                                         "share": sum(a == b for a, b in pairs) / len(pairs)}
             m = sampler.metrics.registry
             out["sampler"] = {
                 "score_batches": m.get_sample_value("fanroute_sampler_score_batch_requests_count"),
@@ -216,6 +266,12 @@ def report(out: dict[str, Any]) -> None:
         ratio = out["ratio_generate_over_score"].get(str(level))
         if ratio:
             print(f"{'ratio':<10}{level:>5}{ratio['p50']:>9.1f}x{ratio['p99']:>9.1f}x   (generate / score)")
+        ratio = out.get("ratio_score_over_first_token", {}).get(str(level))
+        if ratio:
+            print(f"{'ratio':<10}{level:>5}{ratio['p50']:>9.1f}x{ratio['p99']:>9.1f}x   (score / first-token)")
+    agree = out.get("agreement_first_token_vs_score")
+    if agree:
+        print(f"first-token decision = score decision on {agree['same']}/{agree['n']} ({agree['share']:.1%})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -225,8 +281,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", default="1,20", help="comma-separated closed-loop concurrencies")
     p.add_argument("--gen-tokens", type=int, default=8, help="greedy tokens of the generate path")
     p.add_argument("--market", default="federated")
-    p.add_argument("--paths", default="generate,score", type=lambda v: [x for x in PATHS if x in v.split(",")],
-                   help="which paths to run (both, for the ratio)")
+    p.add_argument("--paths", default="generate,score,first-token",
+                   type=lambda v: [x for x in PATHS if x in v.split(",")],
+                   help="which paths to run (two of them, for their ratio)")
+    p.add_argument("--adapter", type=Path, default=None, help="a trained adapter to serve (default: a fresh one)")
+    p.add_argument("--queries-file", type=Path, default=None,
+                   help="traces or episodes JSONL to take the queries from (default: sample_queries)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the sampler's score_batch_wait_ms")

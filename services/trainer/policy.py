@@ -18,7 +18,7 @@ def completion_logprobs(model: Any, sequences: Sequence[Sequence[int]], prompt_l
     ``width`` pad T and C to fixed sizes (so batch shapes repeat)."""
     import torch
 
-    from services.trainer.train import _plain_head
+    from services.trainer.shared_prefix import plain_head
 
     B = len(sequences)
     T = max(length or 0, max(len(s) for s in sequences))
@@ -34,7 +34,7 @@ def completion_logprobs(model: Any, sequences: Sequence[Sequence[int]], prompt_l
         pos_BC[b, :n] = torch.arange(p - 1, p - 1 + n)  # position t predicts token t + 1
         mask_BC[b, :n] = 1
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if _plain_head(base):
+    if plain_head(base):
         hidden_BTD = base.get_decoder()(input_ids=ids_BT, attention_mask=att_BT, use_cache=False).last_hidden_state
         picked_BCD = hidden_BTD.gather(1, pos_BC[..., None].expand(-1, -1, hidden_BTD.shape[-1]))
         logits_BCV = base.get_output_embeddings()(picked_BCD).float()

@@ -23,6 +23,7 @@ from schemas.episode import Episode
 from services.common.prompt import chat_messages
 from services.router.linear import first_choice
 from services.router.scoring import common_prefix, probabilities
+from services.trainer.shared_prefix import plain_head
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,19 @@ def name_scores(model: Any, item: RouteItem, pad_id: int) -> dict[str, float]:
     for k, s in enumerate(item.sequences):
         ids_KT[k, :len(s)] = torch.tensor(s)
         mask_KT[k, :len(s)] = 1
+    start = max(item.shared - 1, 0)  # only the rows that predict a name token are projected onto the vocabulary
     with torch.no_grad():
-        logp_KTV = torch.log_softmax(model(input_ids=ids_KT, attention_mask=mask_KT).logits.float(), dim=-1)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if plain_head(base):
+            hidden_KSD = base.get_decoder()(input_ids=ids_KT, attention_mask=mask_KT).last_hidden_state[:, start:]
+            logits_KSV = base.get_output_embeddings()(hidden_KSD)
+        else:
+            logits_KSV = model(input_ids=ids_KT, attention_mask=mask_KT).logits[:, start:]
+        logp_KSV = torch.log_softmax(logits_KSV.float(), dim=-1)
     out = {}
     for k, (name, s) in enumerate(zip(item.providers, item.sequences, strict=True)):
         positions = range(item.shared, len(s))
-        out[name] = math.fsum(float(logp_KTV[k, t - 1, s[t]]) for t in positions)
+        out[name] = math.fsum(float(logp_KSV[k, t - 1 - start, s[t]]) for t in positions)
     return out
 
 

@@ -38,6 +38,13 @@ def shared_prefix_len(input_ids_BT: Any, attention_mask_BT: Any, labels_BT: Any)
     return P if P >= MIN_SHARED else 0
 
 
+def plain_head(base: Any) -> bool:
+    """Whether the model's logits are just ``lm_head(hidden)`` (no soft-capping or scaling after it)."""
+    cfg = base.config
+    return not (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
+                or getattr(cfg, "logits_scaling", None) or getattr(cfg, "output_multiplier_scale", None))
+
+
 def _cache_kwarg(decoder: Any) -> str:
     """transformers 5 renamed forward's ``past_key_values`` to ``cache``."""
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"

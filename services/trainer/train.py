@@ -47,7 +47,7 @@ from services.trainer.data import (
 from services.trainer.evaluate import GradesFor, eval_items, evaluate, load_kafka_grades
 from services.trainer.route_eval import route_evaluate, route_items
 from services.trainer.settings import TrainerSettings
-from services.trainer.shared_prefix import target_loss
+from services.trainer.shared_prefix import plain_head, target_loss
 
 Out = Callable[[str], None]
 
@@ -292,13 +292,6 @@ class MetricsLog:
             fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
-def _plain_head(base: Any) -> bool:
-    """Whether the model's logits are just ``lm_head(hidden)`` (no soft-capping or scaling after it)."""
-    cfg = base.config
-    return not (getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None)
-                or getattr(cfg, "logits_scaling", None) or getattr(cfg, "output_multiplier_scale", None))
-
-
 def _target_loss(model: Any, batch: Any) -> Any:
     """Mean next-token cross-entropy over the labelled (assistant) positions.
 
@@ -308,7 +301,7 @@ def _target_loss(model: Any, batch: Any) -> Any:
     through the model's own loss.
     """
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not _plain_head(base):
+    if not plain_head(base):
         return model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
                      labels=batch.labels_BT, use_cache=False).loss
     return target_loss(base, batch)

@@ -1,4 +1,4 @@
-"""Smoke test of bench/router_decision.py on the tiny model: both paths at two concurrencies, the
+"""Smoke test of bench/router_decision.py on the tiny model: the three paths at two concurrencies, the
 decisions named, the ratio reported. No timing is asserted (speed is for the benchmark to report)."""
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ def test_a_short_run_reports_both_paths(tmp_path):
     main(["--base", str(base), "--decisions", "3", "--warmup", "1", "--concurrency", "1,2", "--gen-tokens", "2",
           "--progress", "0", "--out", str(out_path)])
     out = json.loads(out_path.read_text())
-    assert set(out["results"]) == {"generate@1", "score@1", "generate@2", "score@2"}
+    assert set(out["results"]) == {f"{p}@{c}" for p in ("generate", "score", "first-token") for c in (1, 2)}
     assert all(r["n"] == 3 and r["p50"] > 0 for r in out["results"].values())
     assert all(r["undecided"] == 0 for k, r in out["results"].items() if k.startswith("score"))
     assert set(out["ratio_generate_over_score"]) == {"1", "2"} and out["adapter"]["r"] == 8
-    assert out["sampler"]["score_requests"] == 2 * (3 + 1)
+    assert out["sampler"]["score_requests"] >= 2 * (3 + 1)  # the score path's; first-token's come on top
+    agree = out["agreement_first_token_vs_score"]
+    assert agree["n"] == 6 and 0 <= agree["same"] <= 6 and set(out["ratio_score_over_first_token"]) == {"1", "2"}
