@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -58,39 +57,6 @@ def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed
     return TrainerSettings(**fields)
 
 
-def tier_grades(ep: Any) -> dict[str, float]:
-    """Each provider's grade from the judge's ordering: the top tier gets the number of tiers, down to 1."""
-    from services.common.ndcg import parse_ordering
-
-    tiers = parse_ordering(ep.messages[-1].content)
-    return {name: float(len(tiers) - i) for i, tier in enumerate(tiers) for name in tier}
-
-
-def routed_picks(adapter: Path, base: Path, items: list[Any], pad_id: int) -> dict[str, str]:
-    """episode id → the provider the adapter's scores choose (argmax, as the gateway at λ = 0)."""
-    import torch
-    from peft import PeftModel
-
-    from services.models.load import load_causal_lm
-    from services.router.scoring import decide
-    from services.trainer.route_eval import name_scores
-
-    model = PeftModel.from_pretrained(load_causal_lm(base, torch.float32), str(adapter)).eval()
-    return {it.episode_id: decide(name_scores(model, it, pad_id), {}, 0.0)[0] for it in items}
-
-
-def summary(picks: dict[str, str], val: list[Any], human: dict[str, dict[str, float]],
-            labels: dict[str, str | None], grades: dict[str, dict[str, float]]) -> dict[str, Any]:
-    rated = [ep for ep in val if human.get(ep.trace_id) and ep.episode_id in picks]
-    ndcg = [human[ep.trace_id].get(picks[ep.episode_id], 0.0) for ep in rated]
-    agree = [picks[ep.episode_id] == labels[ep.episode_id] for ep in val if ep.episode_id in picks]
-    grade = [grades[ep.episode_id].get(picks[ep.episode_id], 0.0) for ep in val if ep.episode_id in picks]
-    shares = Counter(picks[ep.episode_id] for ep in val if ep.episode_id in picks)
-    n = max(len(agree), 1)
-    return {"ndcg10": sum(ndcg) / max(len(ndcg), 1), "n_qrels": len(ndcg), "agree": sum(agree) / n,
-            "tier_grade": sum(grade) / n, "shares": {k: round(v / n, 3) for k, v in sorted(shares.items())}}
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=Path, required=True, help="The TRAINING split's episodes (JSONL)")
@@ -106,47 +72,25 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
 
-    from transformers import AutoTokenizer
-
+    from bench.routed_eval import Queries, tokenizer_and_base
     from services.common.dataset import write_jsonl
-    from services.common.prompt import providers_of, query_of
     from services.evaluate.baseline import choose_best_single
     from services.evaluate.inputs import load_traces_file
-    from services.evaluate.scoring import human_scores
-    from services.judge.calibration.human import QrelsStore
-    from services.models.prepare import resolve_base
-    from services.router.linear import first_choice, fit
     from services.trainer.data import load_episodes_file, split_by_query
-    from services.trainer.route_eval import route_items
     from services.trainer.train import train
 
     episodes = load_episodes_file(args.episodes)
     fit_eps, val = split_by_query(episodes, args.val_fraction)
-    traces = {t.trace_id: t for t in load_traces_file(args.traces)}
-    store = QrelsStore()
-    human = {ep.trace_id: h for ep in val if ep.trace_id in traces
-             and (h := human_scores(traces[ep.trace_id], store)) is not None}
-    labels = {ep.episode_id: first_choice(ep) for ep in val}
-    grades = {ep.episode_id: tier_grades(ep) for ep in val}
-    print(f"{len(fit_eps)} fit episodes, {len(val)} validation episodes ({len(human)} with qrels)", flush=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
-    fit_file = args.work_dir / "fit.jsonl"
-    write_jsonl(fit_eps, fit_file)
-
-    base = resolve_base(settings_for("first", fit_file, args.work_dir, None, 0).base_model, prepare=True)
-    tok = AutoTokenizer.from_pretrained(base)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    items = route_items(tok, val, [grades[ep.episode_id] for ep in val], [providers_of(ep) for ep in val])
-
-    linear = fit(fit_eps, seed=0)
+    fit_file = write_jsonl(fit_eps, args.work_dir / "fit.jsonl")
+    tok, base, pad_id = tokenizer_and_base(settings_for("first", fit_file, args.work_dir, None, 0).base_model)
+    q = Queries(val, {t.trace_id: t for t in load_traces_file(args.traces)}, tok)
+    print(f"{len(fit_eps)} fit episodes, {len(val)} validation episodes ({len(q.human)} with qrels)", flush=True)
     best = choose_best_single(fit_eps).provider
     rows: list[dict[str, Any]] = [
-        {"policy": "linear router", **summary({ep.episode_id: max(s := linear.scores(query_of(ep),
-                                                                                        providers_of(ep)), key=s.get)
-                                               for ep in val}, val, human, labels, grades)},
-        {"policy": f"best single ({best})", **summary({ep.episode_id: best for ep in val}, val, human, labels, grades)},
-        {"policy": "judge-oracle (the label)", **summary({k: v for k, v in labels.items() if v}, val, human, labels,
-                                                         grades)},
+        {"policy": "linear router", **q.summary(q.linear_picks(fit_eps))},
+        {"policy": f"best single ({best})", **q.summary({ep.episode_id: best for ep in val})},
+        {"policy": "judge-oracle (the label)", **q.summary({k: v for k, v in q.labels.items() if v})},
     ]
     for r in rows:
         print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f}", flush=True)
@@ -158,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                         out=lambda line: None)
             init = run.adapter_dir
             row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
-                   **summary(routed_picks(init, base, items, pad_id), val, human, labels, grades)}
+                   **q.summary(q.adapter_picks(init, base, pad_id))}
             rows.append(row)
             print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
                   f"grade {row['tier_grade']:.2f} ({row['train_s']:.0f} s) {row['shares']}", flush=True)
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"fit_episodes": len(fit_eps), "val_episodes": len(val),
-                                            "val_with_qrels": len(human), "rows": rows}, indent=2) + "\n")
+                                            "val_with_qrels": len(q.human), "rows": rows}, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     return 0
 

@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--passes", type=int, default=None,
                    help="chained one-pass training runs, each starting from the previous adapter (1..5; "
                         "default: DemoOptions.passes, 3)")
+    d.add_argument("--synthetic", type=int, default=0,
+                   help="also replay this many synthetic queries (fanroute traffic synth; training only, never "
+                        "held out): the large-traffic recipe")
     d.add_argument("--keep-stack", action="store_true", help="leave Kafka and Redis running after")
     d.add_argument("--market", choices=("federated", "nested"), default=None,
                    help="the provider market (default: FANROUTE_MARKET, else federated); nested is the control "
@@ -135,12 +138,13 @@ def _demo(args: argparse.Namespace) -> int:
             os.environ["FANROUTE_JUDGE"] = '{"type": "local"}'
             print("fanroute demo: market nested, judged by the lexical local judge", file=sys.stderr)
     if args.queries is not None and args.queries < 10 or not 0.05 <= args.held_out <= 0.9 \
-            or args.passes is not None and not 1 <= args.passes <= 5:
-        print("fanroute demo: --queries must be at least 10, --held-out within 0.05..0.9 and --passes "
-              "within 1..5", file=sys.stderr)
+            or args.passes is not None and not 1 <= args.passes <= 5 or not 0 <= args.synthetic <= 100_000:
+        print("fanroute demo: --queries must be at least 10, --held-out within 0.05..0.9, --passes "
+              "within 1..5 and --synthetic within 0..100000", file=sys.stderr)
         return 2
     opts = DemoOptions(queries=args.queries, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
                        keep_stack=args.keep_stack, loop=args.loop, held_out_fraction=args.held_out,
+                       synthetic=args.synthetic,
                        **({"passes": args.passes} if args.passes is not None else {}),
                        **({"out_dir": args.out} if args.out else {}))
     before = signal.signal(signal.SIGTERM, _stop_on_sigterm)

@@ -45,6 +45,7 @@ class DemoOptions:
     loop: bool = True  # False: stop after the fan-out era (no training, evaluation or routing)
     held_out_fraction: float = 0.3
     passes: int = 3  # chained one-pass training runs (each from the previous adapter, its own data order)
+    synthetic: int = 0  # pseudo-queries (fanroute traffic synth) replayed after the dev queries: training only
 
 
 STEPS = 8
@@ -110,21 +111,29 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
         traces, code = await _traffic(opts, kafka, url)
     verdicts, episodes, wanted, gate = await _judge(kafka, redis_url, traces, settings.providers, opts)
     code = code if len(verdicts) == wanted else 1
-    if not opts.loop:
-        return code
     from services.tools.demo_loop import LoopOptions, distill_and_route, split
 
     data = split(traces, episodes, opts.held_out_fraction, opts.out_dir)
     print(f"      split by query: {data.n_train} training episodes, {len(data.held_out)} held-out queries "
-          f"({opts.held_out_fraction:.0%}) the student never sees", flush=True)
+          f"({opts.held_out_fraction:.0%}) the student never sees (in {data.train_file} and {data.traces_file})",
+          flush=True)
+    if not opts.loop:
+        return code
     loop = LoopOptions(held_out_fraction=opts.held_out_fraction, passes=opts.passes, allow_uncalibrated=not gate.open)
     return max(code, await distill_and_route(kafka, redis_url, data, settings, opts.out_dir, loop, 6, STEPS))
 
 
 async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[list[Trace], int]:
     queries = sample_queries(limit=opts.queries, seed=opts.seed)
+    n_dev = len(queries)
+    if opts.synthetic:
+        from services.tools.traffic import synthesize
+
+        synth, _ = synthesize(opts.synthetic, seed=opts.seed)
+        queries = [*queries, *synth]
     since = datetime.now(UTC)
-    step(3, STEPS, f"replaying {len(queries)} judged development queries at {opts.rate:g}/s; "
+    extra = f" and {len(queries) - n_dev} synthetic ones (training only)" if len(queries) > n_dev else ""
+    step(3, STEPS, f"replaying {n_dev} judged development queries{extra} at {opts.rate:g}/s; "
          "traces as they land on the Kafka topic:")
     traces: list[Trace] = []
 

@@ -68,7 +68,10 @@ def split(traces: list[Trace], episodes: list[Episode], fraction: float, out_dir
     The traces file holds the held-out traces *and* the training episodes' own traces: the evaluation
     drops every trained query itself, and reads the training traces' query ids for the per-domain best.
     """
-    held = {t.trace_id for t in traces if held_out(t.query_id or t.query, fraction)}
+    from services.tools.traffic import is_synthetic
+
+    # only development queries (with human qrels) are ever held out; synthetic traffic only trains
+    held = {t.trace_id for t in traces if not is_synthetic(t.query_id) and held_out(t.query_id or t.query, fraction)}
     train = [ep for ep in episodes if ep.trace_id not in held]
     train_file = write_jsonl(train, out_dir / "train" / "episodes.jsonl")
     traces_file = out_dir / "eval" / "traces.jsonl"

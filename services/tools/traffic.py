@@ -38,6 +38,15 @@ MIN_WORDS, MAX_WORDS = 3, 12
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'-]*")
 
 
+#: The id part every synthetic query carries (``<collection>/synth-<doc>-<kind>``).
+SYNTH_MARK = "/synth-"
+
+
+def is_synthetic(query_id: str | None) -> bool:
+    """Whether a query id names a synthesized query (no qrels: never held out, never in a human measure)."""
+    return bool(query_id) and SYNTH_MARK in query_id
+
+
 def normalise(text: str) -> str:
     """Lower-case words joined by one space (what "the same text" means for the no-dev-text check)."""
     return " ".join(w.lower() for w in _WORD.findall(text))
@@ -127,7 +136,7 @@ def synthesize(n: int, *, seed: int = 0, mix: Mapping[str, float] | None = None,
             if norm in seen:
                 continue
             seen.add(norm)
-            out.append(ReplayQuery(f"{name}/synth-{doc.doc_id}-{kind}", text))
+            out.append(ReplayQuery(f"{name}{SYNTH_MARK}{doc.doc_id}-{kind}", text))
             got += 1
         if got < want:
             raise ConfigError(f"collection {name}: only {got} distinct pseudo-queries for the {want} its share asks")

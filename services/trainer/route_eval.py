@@ -23,7 +23,7 @@ from schemas.episode import Episode
 from services.common.prompt import chat_messages
 from services.router.linear import first_choice
 from services.router.scoring import common_prefix, probabilities
-from services.trainer.shared_prefix import plain_head
+from services.trainer.shared_prefix import plain_head, suffix_hidden
 
 
 @dataclass(frozen=True)
@@ -68,9 +68,8 @@ def name_scores(model: Any, item: RouteItem, pad_id: int) -> dict[str, float]:
     start = max(item.shared - 1, 0)  # only the rows that predict a name token are projected onto the vocabulary
     with torch.no_grad():
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if plain_head(base):
-            hidden_KSD = base.get_decoder()(input_ids=ids_KT, attention_mask=mask_KT).last_hidden_state[:, start:]
-            logits_KSV = base.get_output_embeddings()(hidden_KSD)
+        if plain_head(base):  # the prompt forwarded once for all K names (services.trainer.shared_prefix)
+            logits_KSV = base.get_output_embeddings()(suffix_hidden(base.get_decoder(), ids_KT, mask_KT, start))
         else:
             logits_KSV = model(input_ids=ids_KT, attention_mask=mask_KT).logits[:, start:]
         logp_KSV = torch.log_softmax(logits_KSV.float(), dim=-1)

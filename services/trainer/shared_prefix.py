@@ -50,6 +50,17 @@ def _cache_kwarg(decoder: Any) -> str:
     return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
 
 
+def suffix_hidden(decoder: Any, ids_BT: Any, mask_BT: Any, P: int) -> Any:
+    """The decoder's last hidden states at positions ``P..T-1`` of every row, the first ``P`` tokens (the
+    same in every row) forwarded once and their key/value cache repeated; ``P = 0`` is a plain forward."""
+    if not P:
+        return decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+    cache = decoder(input_ids=ids_BT[:1, :P], use_cache=True).past_key_values
+    cache.batch_repeat_interleave(ids_BT.shape[0])
+    return decoder(input_ids=ids_BT[:, P:], attention_mask=mask_BT, use_cache=True,
+                   **{_cache_kwarg(decoder): cache}).last_hidden_state
+
+
 def target_loss(base: Any, batch: Any) -> Any:
     """Mean next-token cross-entropy over the labelled positions of ``batch`` (the vocabulary projection
     only on those), with the shared prefix forwarded once; ``base`` is the (LoRA-wrapped) causal LM whose
@@ -57,16 +68,8 @@ def target_loss(base: Any, batch: Any) -> Any:
     import torch.nn.functional as F
 
     ids_BT, mask_BT, labels_BT = batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT
-    decoder = base.get_decoder()
     P = shared_prefix_len(ids_BT, mask_BT, labels_BT)
-    if P:
-        B = ids_BT.shape[0]
-        cache = decoder(input_ids=ids_BT[:1, :P], use_cache=True).past_key_values
-        cache.batch_repeat_interleave(B)
-        hidden_BSD = decoder(input_ids=ids_BT[:, P:], attention_mask=mask_BT, use_cache=True,
-                             **{_cache_kwarg(decoder): cache}).last_hidden_state
-    else:
-        hidden_BSD = decoder(input_ids=ids_BT, attention_mask=mask_BT, use_cache=False).last_hidden_state
+    hidden_BSD = suffix_hidden(base.get_decoder(), ids_BT, mask_BT, P)
     targets_BS = labels_BT[:, P + 1:]  # suffix position j (absolute P + j) predicts token P + j + 1
     keep_BS = targets_BS != IGNORE
     logits_NV = base.get_output_embeddings()(hidden_BSD[:, :-1][keep_BS]).float()

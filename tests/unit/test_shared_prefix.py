@@ -109,3 +109,22 @@ def test_weighted_loss_is_the_weighted_mean_of_row_losses(lora_model) -> None:
         assert float(target_loss(base, weighted)) == pytest.approx((3 * row_losses[0] + row_losses[1]) / 4, abs=1e-5)
         ones = Batch(batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT, torch.ones(2))
         assert float(target_loss(base, ones)) == pytest.approx(float(target_loss(base, batch)), abs=1e-6)
+
+
+def test_route_eval_name_scores_equal_a_plain_forward(lora_model) -> None:
+    """The trainer's routing eval forwards the prompt once for all K names: same scores as K plain forwards."""
+    import math
+
+    from services.trainer.route_eval import RouteItem, name_scores
+
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 400, (30,), generator=g).tolist()
+    names = {"x": [5, 6], "y": [7], "z": [5, 9, 10]}
+    seqs = tuple(tuple(prompt + ids) for ids in names.values())
+    item = RouteItem("e", tuple(names), seqs, 30, None, {})
+    got = name_scores(lora_model, item, pad_id=0)
+    with torch.no_grad():
+        for name, seq in zip(names, seqs, strict=True):
+            logp = torch.log_softmax(lora_model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
+            want = math.fsum(float(logp[t - 1, seq[t]]) for t in range(30, len(seq)))
+            assert got[name] == pytest.approx(want, abs=1e-4)

@@ -1,0 +1,88 @@
+"""In-process routed evaluation shared by the SFT benches: an adapter asked exactly as the gateway asks it
+(score mode, λ = 0: every provider name scored as the continuation of the router prompt, the most
+probable chosen), the linear router and a single provider on the same queries, graded by nDCG@10
+against the human qrels, agreement with the judge's cost-aware first choice and the provider shares.
+
+In-process scoring gives the sampler's decisions (same prompt, same tokens, float32), without a server.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def tier_grades(ep: Any) -> dict[str, float]:
+    """Each provider's grade from the judge's ordering: the top tier gets the number of tiers, down to 1."""
+    from services.common.ndcg import parse_ordering
+
+    tiers = parse_ordering(ep.messages[-1].content)
+    return {name: float(len(tiers) - i) for i, tier in enumerate(tiers) for name in tier}
+
+
+class Queries:
+    """Episodes to route (each with the judge's ordering as its answer) and the human nDCG of each provider."""
+
+    def __init__(self, episodes: Sequence[Any], traces: Mapping[str, Any], tokenizer: Any) -> None:
+        from services.common.prompt import providers_of
+        from services.evaluate.scoring import human_scores
+        from services.judge.calibration.human import QrelsStore
+        from services.router.linear import first_choice
+        from services.trainer.route_eval import route_items
+
+        store = QrelsStore()
+        self.episodes = list(episodes)
+        self.human = {ep.trace_id: h for ep in self.episodes if ep.trace_id in traces
+                      and (h := human_scores(traces[ep.trace_id], store)) is not None}
+        self.labels = {ep.episode_id: first_choice(ep) for ep in self.episodes}
+        self.grades = {ep.episode_id: tier_grades(ep) for ep in self.episodes}
+        self.items = route_items(tokenizer, self.episodes, [self.grades[ep.episode_id] for ep in self.episodes],
+                                 [providers_of(ep) for ep in self.episodes])
+
+    def summary(self, picks: Mapping[str, str]) -> dict[str, Any]:
+        eps = [ep for ep in self.episodes if ep.episode_id in picks]
+        rated = [ep for ep in eps if self.human.get(ep.trace_id)]
+        ndcg = [self.human[ep.trace_id].get(picks[ep.episode_id], 0.0) for ep in rated]
+        agree = [picks[ep.episode_id] == self.labels[ep.episode_id] for ep in eps]
+        grade = [self.grades[ep.episode_id].get(picks[ep.episode_id], 0.0) for ep in eps]
+        shares = Counter(picks[ep.episode_id] for ep in eps)
+        n = max(len(eps), 1)
+        return {"ndcg10": sum(ndcg) / max(len(ndcg), 1), "n_qrels": len(ndcg), "agree": sum(agree) / n,
+                "tier_grade": sum(grade) / n, "shares": {k: round(v / n, 3) for k, v in sorted(shares.items())}}
+
+    def adapter_picks(self, adapter: Path, base: Path, pad_id: int) -> dict[str, str]:
+        """episode id → the provider the adapter's scores choose."""
+        import torch
+        from peft import PeftModel
+
+        from services.models.load import load_causal_lm
+        from services.router.scoring import decide
+        from services.trainer.route_eval import name_scores
+
+        model = PeftModel.from_pretrained(load_causal_lm(base, torch.float32), str(adapter)).eval()
+        return {it.episode_id: decide(name_scores(model, it, pad_id), {}, 0.0)[0] for it in self.items}
+
+    def linear_picks(self, train_episodes: Sequence[Any], seed: int = 0) -> dict[str, str]:
+        """episode id → the choice of the linear router fitted on ``train_episodes``."""
+        from services.common.prompt import providers_of, query_of
+        from services.router.linear import fit
+
+        router = fit(train_episodes, seed=seed)
+        out = {}
+        for ep in self.episodes:
+            scores = router.scores(query_of(ep), providers_of(ep))
+            out[ep.episode_id] = max(sorted(scores), key=scores.get)
+        return out
+
+
+def tokenizer_and_base(base_model: str) -> tuple[Any, Path, int]:
+    """The prepared base model's directory, its tokenizer and pad id."""
+    from transformers import AutoTokenizer
+
+    from services.models.prepare import resolve_base
+
+    base = resolve_base(base_model, prepare=True)
+    tok = AutoTokenizer.from_pretrained(base)
+    return tok, base, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
