@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from services.common.files import instant
+from services.router.modes import DEFAULT_MODE, MODES
 
 EVAL_HELP = "compare a candidate router with the deployed one and the baselines on held-out fan-out traces"
 PROMOTE_HELP = "promote a candidate router only if it beats the deployed one and the best single provider"
@@ -47,7 +48,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
                    help="OpenAI-compatible server of the adapters (the CPU sampler or vLLM)")
     p.add_argument("--router-timeout", type=float, default=2.0, help="deadline of one router call, seconds")
     p.add_argument("--router-max-tokens", type=int, default=48, help="greedy tokens the router may write (generate)")
-    p.add_argument("--router-mode", choices=("score", "first-token", "generate"), default="score",
+    p.add_argument("--router-mode", choices=MODES, default=DEFAULT_MODE,
                    help="score: one completions call scores every provider name (vLLM prompt_logprobs), and the "
                         "candidate's cost-quality curve over λ is drawn; generate: the router writes its ordering")
     p.add_argument("--cost-weight", type=_non_negative, default=0.0,

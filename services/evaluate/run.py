@@ -25,6 +25,7 @@ from services.evaluate.policies import QueryScores, RouterCall
 from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, QueryRow
 from services.evaluate.routers import ask_all, probe, split_served_name
 from services.judge.settings import JudgeSettings
+from services.router.modes import DEFAULT_MODE, RouterMode
 
 
 class EvalOptions(BaseModel):
@@ -41,7 +42,7 @@ class EvalOptions(BaseModel):
     until: datetime | None = None
     router_timeout_s: float = Field(default=2.0, gt=0, le=600)
     router_max_tokens: int = Field(default=48, ge=1, le=1024)
-    router_mode: Literal["score", "first-token", "generate"] = Field(default="score", description="How the routers are asked")
+    router_mode: RouterMode = Field(default=DEFAULT_MODE, description="How the routers are asked")
     cost_weight: float = Field(default=0.0, ge=0, le=1e6,
                                description="λ of the routers' rows: P(best) − λ · cost (the curve sweeps λ)")
     max_attempts: int = Field(default=2, ge=1, le=32)

@@ -18,6 +18,7 @@ from services.providers.markets import (
     default_providers,
     providers_in_force,
 )
+from services.router.modes import DEFAULT_MODE, RouterMode
 
 
 class RoutingSettings(BaseModel):
@@ -41,8 +42,8 @@ class RoutingSettings(BaseModel):
                                    description="Share of requests (by request/query id hash) that keep fanning "
                                                "out, to produce unbiased labels")
     router_timeout_s: float = Field(default=2.0, gt=0, le=60, description="Deadline of one router call")
-    mode: Literal["score", "first-token", "generate"] = Field(
-        default="score", description="score: one completions call scores every provider name after the router "
+    mode: RouterMode = Field(
+        default=DEFAULT_MODE, description="score: one completions call scores every provider name after the router "
                                      "prompt (vLLM prompt_logprobs); first-token: one token after the prompt "
                                      "with its alternatives decides (names sharing a first token are scored "
                                      "apart); generate: the router writes its ordering")

@@ -19,12 +19,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import aiohttp
 
 from services.common.errors import FanrouteError
 from services.common.prompt import router_messages
+from services.router.modes import MODES, RouterMode
 from services.router.parse import ParsedOrdering, UnparseableOrdering, parse_ordering
 from services.router.scoring import (
     FIRST_TOKEN_TOP,
@@ -39,8 +40,6 @@ from services.router.scoring import (
     top_logprobs,
 )
 
-RouterMode = Literal["score", "first-token", "generate"]
-MODES = ("score", "first-token", "generate")
 #: (model, provider set) pairs whose names' first tokens are remembered.
 NAME_GROUPS_KEPT = 64
 

@@ -55,6 +55,19 @@ def test_split_feeds_the_eval_exactly_the_held_out_queries_and_the_domains_of_th
     assert per_domain_choice(train, written, "cheap")  # the trained traces' query ids give their domain
 
 
+def test_synthetic_traffic_only_ever_trains(tmp_path):
+    """A synthetic query (no qrels) is never held out, whatever its id hashes to; its episode trains."""
+    from services.tools.traffic import is_synthetic
+
+    synth = [trace(f"s{i}", query=f"synthetic query {i}", query_id=f"adi/synth-{i}-title") for i in range(60)]
+    episodes = [episode(t.query, "a > b", ["a", "b"], ep_id=f"e-{t.trace_id}").model_copy(update={"trace_id": t.trace_id})
+                for t in synth]
+    assert sum(held_out(t.query_id, 0.3) for t in synth) > 0  # by hash alone, some would be held out
+    data = split(synth, episodes, 0.3, tmp_path)
+    assert data.held_out == [] and data.n_train == len(synth)
+    assert all(is_synthetic(t.query_id) for t in synth) and not is_synthetic("adi/16") and not is_synthetic(None)
+
+
 def test_render_routed_separates_slice_router_and_fallbacks():
     qid = sorted(adi()[0], key=int)[0]
     fan = adi_trace(qid)
@@ -74,6 +87,7 @@ def test_demo_refuses_bad_arguments(capsys):
     assert main(["demo", "--queries", "3"]) == 2
     assert main(["demo", "--held-out", "0.99"]) == 2
     assert main(["demo", "--passes", "0"]) == 2
+    assert main(["demo", "--synthetic", "-5"]) == 2
     assert "--passes" in capsys.readouterr().err
 
 
