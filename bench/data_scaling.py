@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=1, help="chained one-pass SFT runs per point")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-lm", action="store_true", help="the linear router only (minutes instead of an hour)")
+    ap.add_argument("--base-model", default=None, help="base model (default: the trainer's)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-data-scaling"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/data_scaling.json")
     args = ap.parse_args(argv)
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     synth = [ep for ep in episodes if is_synthetic(qid.get(ep.trace_id))]
     random.Random(args.seed).shuffle(synth)
     held = [t for t in traces.values() if t.trace_id not in trained]
-    tok, base, pad_id = tokenizer_and_base(TrainerSettings().base_model)
+    base_model = args.base_model or TrainerSettings().base_model
+    tok, base, pad_id = tokenizer_and_base(base_model)
     held_eps = held_out_episodes(held, dev)
     q = Queries(held_eps, traces, tok)
     print(f"{len(dev)} development training episodes, {len(synth)} synthetic; {len(held)} held-out traces "
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             init, t0 = None, time.perf_counter()
             data = write_jsonl(subset, work / "episodes.jsonl")
             for p in range(args.passes):
-                run = train(TrainerSettings(episodes_file=data, output_dir=work / f"pass{p + 1}", init_adapter=init,
+                run = train(TrainerSettings(base_model=base_model, episodes_file=data, output_dir=work / f"pass{p + 1}",
+                                            init_adapter=init,
                                             seed=p, allow_uncalibrated=True, grades_source="ordering",
                                             eval_fraction=0.0, max_steps=100_000, checkpoint_every=0),
                             out=lambda line: None)

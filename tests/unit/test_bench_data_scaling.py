@@ -1,0 +1,39 @@
+"""Smoke test of bench/data_scaling.py on the tiny model: the sizes are development episodes first, then
+synthetic ones; only held-out development traces (with qrels) are scored; both routers get a row."""
+
+from __future__ import annotations
+
+import json
+
+from bench.data_scaling import main
+from services.common.dataset import write_jsonl
+from tests.support.records import adi, adi_trace, episode
+from tests.support.tiny_model import build_tiny_model
+
+
+def test_a_short_curve_from_a_run_dir(tmp_path):
+    qids = sorted(adi()[0], key=int)  # ADI's 28 queries with qrels
+    dev = [adi_trace(q) for q in qids[:12]]
+    synth = [adi_trace(q, trace_id=f"s{i}").model_copy(update={"query_id": f"adi/synth-{i}-title",
+                                                                "query": f"synthetic query {i}"})
+             for i, q in enumerate(qids[12:20])]
+    held = [adi_trace(q) for q in qids[20:28]]
+    names = ["cheap", "flaky", "good"]
+    eps = [episode(t.query, "good > cheap = flaky" if i % 3 else "cheap > good > flaky", names, ep_id=f"e{i}",
+                   trace_id=t.trace_id) for i, t in enumerate(dev + synth)]
+    run = tmp_path / "run"
+    write_jsonl(eps, run / "train" / "episodes.jsonl")
+    (run / "eval").mkdir(parents=True)
+    (run / "eval" / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in dev + synth + held))
+    base = build_tiny_model(tmp_path / "tiny", context=1024)
+    out = tmp_path / "scaling.json"
+    assert main(["--run-dir", str(run), "--sizes", "10,15,100", "--base-model", str(base),
+                 "--work-dir", str(tmp_path / "work"), "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert [r["episodes"] for r in rep["rows"]] == [10, 15, 20]  # 100 is capped at what exists
+    assert [r["synthetic"] for r in rep["rows"]] == [0, 3, 8]
+    assert rep["held_out"] == 8 and rep["held_out_with_qrels"] == 8
+    for r in rep["rows"]:
+        for router in ("lm", "linear"):
+            assert 0.0 <= r[router]["ndcg10"] <= 1.0 and r[router]["n_qrels"] == rep["held_out_with_qrels"]
+    assert out.with_suffix(".png").stat().st_size > 0
