@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.routed_eval import Queries, tokenizer_and_base
     from services.common.dataset import write_jsonl
-    from services.evaluate.inputs import load_traces_file
+    from services.evaluate.inputs import held_out, load_traces_file
     from services.tools.traffic import is_synthetic
     from services.trainer.data import load_episodes_file
     from services.trainer.settings import TrainerSettings
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     dev = [ep for ep in episodes if not is_synthetic(qid.get(ep.trace_id))]
     synth = [ep for ep in episodes if is_synthetic(qid.get(ep.trace_id))]
     random.Random(args.seed).shuffle(synth)
-    held = [t for t in traces.values() if t.trace_id not in trained]
+    # the evaluation's own rule (services.evaluate.inputs.held_out): a trace whose query text any training
+    # episode has (the same question in two collections) is not held out
+    held = [t for t in held_out(traces.values(), episodes).traces if t.trace_id not in trained]
     base_model = args.base_model or TrainerSettings().base_model
     tok, base, pad_id = tokenizer_and_base(base_model)
     held_eps = held_out_episodes(held, dev)
