@@ -115,23 +115,16 @@ def held_out_episodes(held: list[Any], dev: list[Any]) -> list[Any]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from bench.routed_eval import finish, new_axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    fig, ax = new_axes((6.5, 4))
     x = [r["episodes"] for r in rows]
     if all("lm" in r for r in rows):
         ax.plot(x, [r["lm"]["ndcg10"] for r in rows], marker="o", label="LM student (SmolLM2-135M + LoRA)")
     ax.plot(x, [r["linear"]["ndcg10"] for r in rows], marker="s", label="linear router (TF-IDF + LR)")
     ax.set_xscale("log")
-    ax.set_xlabel("training episodes (development split + synthetic traffic)")
-    ax.set_ylabel("held-out nDCG@10 (human qrels)")
-    ax.set_title("Data scaling: routed quality vs judged training episodes")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish(fig, ax, path, xlabel="training episodes (development split + synthetic traffic)",
+           ylabel="held-out nDCG@10 (human qrels)", title="Data scaling: routed quality vs judged training episodes")
 
 
 if __name__ == "__main__":

@@ -86,3 +86,23 @@ def tokenizer_and_base(base_model: str) -> tuple[Any, Path, int]:
     base = resolve_base(base_model, prepare=True)
     tok = AutoTokenizer.from_pretrained(base)
     return tok, base, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def new_axes(figsize: tuple[float, float]) -> tuple[Any, Any]:
+    """A matplotlib figure and axes on the non-interactive backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=figsize)
+
+
+def finish(fig: Any, ax: Any, path: Path, *, xlabel: str, ylabel: str, title: str, legend_size: int = 8) -> None:
+    """Label the axes, add the legend and write the PNG."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -114,23 +114,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from bench.routed_eval import finish, new_axes
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = new_axes((7, 4))
     for name in dict.fromkeys(r["policy"] for r in rows if "pass" in r):
         pts = [(r["pass"], r["ndcg10"]) for r in rows if r["policy"] == name and "pass" in r]
         ax.plot(*zip(*pts, strict=True), marker="o", label=name)
     for r, style in zip([r for r in rows if "pass" not in r], (":", "--", "-."), strict=False):
         ax.axhline(r["ndcg10"], linestyle=style, color="grey", label=r["policy"])
-    ax.set_xlabel("chained one-pass SFT runs")
-    ax.set_ylabel("validation nDCG@10 (human qrels)")
-    ax.set_title("SFT recipes on the training split's validation queries")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    finish(fig, ax, path, xlabel="chained one-pass SFT runs", ylabel="validation nDCG@10 (human qrels)",
+           title="SFT recipes on the training split's validation queries", legend_size=7)
 
 
 if __name__ == "__main__":

@@ -128,3 +128,13 @@ def test_route_eval_name_scores_equal_a_plain_forward(lora_model) -> None:
             logp = torch.log_softmax(lora_model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
             want = math.fsum(float(logp[t - 1, seq[t]]) for t in range(30, len(seq)))
             assert got[name] == pytest.approx(want, abs=1e-4)
+
+
+def test_class_balance_out_of_range_is_refused_by_name() -> None:
+    from pydantic import ValidationError
+
+    from services.trainer.settings import SftRun
+
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValidationError, match="class_balance"):
+            SftRun(class_balance=bad)
