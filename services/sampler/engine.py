@@ -5,7 +5,8 @@ log-probabilities we return are exactly what the model computed: each step's log
 log-softmax of that step's logits (before temperature / top-p / top-k, as vLLM's default
 ``raw_logprobs`` mode reports them). A teacher-forced forward pass over prompt + sampled tokens
 reproduces them. The engine is not thread-safe by itself; hold :attr:`Engine.lock` around a
-sequence of calls (the app runs one request at a time; on CPU that is also the fastest).
+sequence of calls. :meth:`generate` decodes one request alone; :meth:`prefill` and
+:meth:`decode_step` are the two halves :mod:`services.sampler.decoding` batches many requests with.
 """
 
 from __future__ import annotations
@@ -208,6 +209,29 @@ class Engine:
                     break
                 out = self.model(input_ids=torch.tensor([[token]]), use_cache=True, **kv)
         return self._done(gen, params, t0)
+
+    def prefill(self, prompt_ids: list[int], slot: str | None) -> tuple[Any, Any]:
+        """A new sequence's batch-1 KV cache over ``prompt_ids`` and the logits after it (hold the lock;
+        the same forward :meth:`generate` starts with, so a batched sequence starts exactly alike)."""
+        import torch
+
+        self._activate(slot)
+        cache = self._new_cache()
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **self._keep_last,
+                             **{self._cache_kwarg: cache})
+        return cache, out.logits[0, -1].float()
+
+    def decode_step(self, batch: Any, tokens: list[int], slot: str | None) -> Any:
+        """Feed one token to every row of ``batch`` (a :class:`~services.sampler.kvbatch.KVBatch`) in
+        one forward; the logits after it, ``[B, V]`` (hold the lock)."""
+        import torch
+
+        self._activate(slot)
+        with torch.inference_mode():
+            out = self.model(**batch.step_inputs(tokens), use_cache=True, **{self._cache_kwarg: batch.cache})
+        batch.advance()
+        return out.logits[:, -1].float()
 
     def first_token(self, prompt_ids: list[int], logprobs_V: Any, params: SamplingParams) -> Generation:
         """What :meth:`generate` gives with ``max_tokens=1``, from the log-softmax row after the prompt

@@ -18,6 +18,7 @@ from schemas.topics import topic
 from services.common.bus import Bus
 from services.common.errors import TransientError
 from services.sampler.batching import ScoreBatcher, ScoreJob
+from services.sampler.decoding import Decoder, OnToken
 from services.sampler.engine import Engine, Generation, SamplingParams
 from services.sampler.registry import (
     AdapterEntry,
@@ -83,6 +84,7 @@ class Sampler:
         self.scorer: Scorer | None = None
         self.batcher = ScoreBatcher(self._score_locked, max_batch=settings.score_max_batch,
                                     wait_s=settings.score_batch_wait_ms / 1000)
+        self.decoder: Decoder | None = None
 
     @property
     def model_name(self) -> str:
@@ -99,6 +101,7 @@ class Sampler:
             self.engine.prefix_cache = PrefixCache(s.prefix_cache_entries, s.prefix_cache_min_tokens)
         self.scorer = Scorer(self.engine, self.engine.prefix_cache, top_k_cached=s.max_logprobs,
                              max_forward_tokens=s.score_max_forward_tokens, row_tokens=s.score_row_tokens)
+        self.decoder = Decoder(self.engine, self._slot_of, max_num_seqs=s.max_num_seqs)
         restored = self.worker.restore()
         if restored:
             log.info("restored %d verified adapter versions from %s", restored, self.settings.adapter_cache_dir)
@@ -108,6 +111,8 @@ class Sampler:
 
     async def stop(self) -> None:
         await self.batcher.stop()
+        if self.decoder is not None:
+            await asyncio.to_thread(self.decoder.stop)
         if self.settings.consume_adapters:
             await self.bus.stop()
 
@@ -222,19 +227,20 @@ class Sampler:
         return self.engine
 
     async def generate(self, entry: AdapterEntry | None, prompt_ids: list[int],
-                       params: SamplingParams) -> Generation:
-        """One generation, serialized with every other use of the model."""
-        gen = await asyncio.to_thread(self._generate_locked, entry, prompt_ids, params)
+                       params: SamplingParams, on_token: OnToken | None = None) -> Generation:
+        """One generation, decoded together with every other active one (continuous batching);
+        ``on_token`` hears each new token (in the decoding thread), for streaming."""
+        if self.decoder is None:
+            raise RuntimeError("the sampler has not started: no decoder")
+        gen = await self.decoder.generate(entry, prompt_ids, params, on_token)
         self.metrics.tokens.labels("prompt").inc(len(prompt_ids))
         self.metrics.tokens.labels("completion").inc(len(gen.token_ids))
         self.metrics.generation_seconds.observe(gen.seconds)
         return gen
 
-    def _generate_locked(self, entry: AdapterEntry | None, prompt_ids: list[int],
-                         params: SamplingParams) -> Generation:
-        with self.eng.lock:
-            slot = self._resident_slot(entry) if entry is not None else None
-            return self.eng.generate(prompt_ids, params, slot=slot)
+    def _slot_of(self, entry: AdapterEntry | None) -> str | None:
+        """The slot a decoding step runs ``entry`` through (made resident if it was evicted; lock held)."""
+        return self._resident_slot(entry) if entry is not None else None
 
     async def score(self, entry: AdapterEntry | None, prompts: list[list[int]], k: int,
                     params: list[SamplingParams]) -> list[tuple[Scored, Generation]]:
@@ -242,15 +248,16 @@ class Sampler:
         scored together with concurrent requests for the same adapter; a ``max_tokens`` of 1 is drawn
         from the scoring pass's last row, a longer one generated as usual."""
         scored = await self.batcher.score(entry, prompts, [k] * len(prompts))
-        out = []
-        for ids, sc, p in zip(prompts, scored, params):
-            if p.max_tokens == 1:
-                gen = self.eng.first_token(ids, sc.row, p)
-                self.metrics.tokens.labels("completion").inc(len(gen.token_ids))
-            else:
-                gen = await self.generate(entry, ids, p)
-            out.append((sc, gen))
-        return out
+
+        async def after(ids: list[int], sc: Scored, p: SamplingParams) -> Generation:
+            if p.max_tokens != 1:
+                return await self.generate(entry, ids, p)
+            gen = self.eng.first_token(ids, sc.row, p)
+            self.metrics.tokens.labels("completion").inc(len(gen.token_ids))
+            return gen
+
+        gens = await asyncio.gather(*(after(ids, sc, p) for ids, sc, p in zip(prompts, scored, params)))
+        return list(zip(scored, gens))
 
     def _score_locked(self, entry: AdapterEntry | None, jobs: list[ScoreJob]) -> list[list[Scored]]:
         """One batch of scoring jobs (same adapter), in a worker thread, holding the engine's lock."""

@@ -33,6 +33,10 @@ class SamplerSettings(ServiceSettings):
     max_logprobs: int = Field(default=20, ge=0, le=1000, description="Most alternatives per token (vLLM: 20)")
     max_stop_strings: int = Field(default=16, ge=0, le=256, description="Most stop strings per request")
     max_prompts: int = Field(default=8, ge=1, le=256, description="Most prompts in one batched completion")
+    max_num_seqs: int = Field(
+        default=16, ge=1, le=1024,
+        description="Most generations decoded together, one token each per forward (vLLM: --max-num-seqs); "
+                    "1 decodes one request at a time")
     score_max_batch: int = Field(
         default=32, ge=1, le=1024,
         description="Most concurrent prompt_logprobs requests (one adapter) scored together in one forward")

@@ -7,6 +7,7 @@ token ids, usage); ``model_cards`` is vLLM's ``ModelList``.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -131,7 +132,8 @@ async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any
     plans = [(ids, sampling_params(req, s.settings, s.check_prompt(ids, max_tokens, "prompt"), req.logprobs))
              for ids in prompts]
     if req.prompt_logprobs is None and max_tokens != 1:
-        done = [(None, await s.generate(entry, ids, params)) for ids, params in plans]
+        gens = await asyncio.gather(*(s.generate(entry, ids, params) for ids, params in plans))
+        done = [(None, gen) for gen in gens]  # decoded together
     else:  # one scoring pass for every prompt (batched with concurrent requests), then the tokens
         done = await s.score(entry, [ids for ids, _ in plans], req.prompt_logprobs or 0, [p for _, p in plans])
         if req.prompt_logprobs is None:  # a one-token completion: the prefix cache serves it, as vLLM's does
