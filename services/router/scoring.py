@@ -137,6 +137,53 @@ def name_groups(body: Mapping[str, Any], providers: Sequence[str], prompt_tokens
     return {t: tuple(names) for t, names in groups.items()}
 
 
+def ids_request(model: str, providers: Sequence[str], query: str, *, prompt_format: str = "chatml") -> dict[str, Any]:
+    """The K-prompt body that only tokenizes (``return_token_ids``, no ``prompt_logprobs``): what the
+    names' tokens are where a server must not be asked for prompt logprobs."""
+    body = score_request(model, providers, query, prompt_format=prompt_format)
+    del body["prompt_logprobs"]
+    return {**body, "return_token_ids": True}
+
+
+def name_tokens(body: Mapping[str, Any], providers: Sequence[str], prompt_tokens: int) -> dict[str, tuple[int, ...]]:
+    """Each provider name's token ids after the ``prompt_tokens``-token router prompt, from the
+    ``prompt_token_ids`` of an :func:`ids_request` reply."""
+    try:
+        choices = sorted(body["choices"], key=lambda c: c.get("index", 0))
+        seqs = [[int(t) for t in c["prompt_token_ids"]] for c in choices]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ScoresUnreadable(f"no prompt_token_ids in the K-prompt reply ({type(exc).__name__}: {exc})") from exc
+    if len(seqs) != len(providers) or any(len(s) <= prompt_tokens for s in seqs) \
+            or common_prefix(seqs) < prompt_tokens:
+        raise ScoresUnreadable(f"the K-prompt reply does not extend the {prompt_tokens}-token prompt by each name")
+    return {name: tuple(seq[prompt_tokens:]) for name, seq in zip(providers, seqs, strict=True)}
+
+
+def groups_of(tokens: Mapping[str, Sequence[int]]) -> dict[int, tuple[str, ...]]:
+    """First token id → the names that start with it."""
+    groups: dict[int, list[str]] = {}
+    for name, ids in tokens.items():
+        groups.setdefault(ids[0], []).append(name)
+    return {t: tuple(names) for t, names in groups.items()}
+
+
+def split_group(first_lp: float, members: Sequence[str], tokens: Mapping[str, Sequence[int]],
+                top: Mapping[int, float]) -> dict[str, float]:
+    """Scores of the names sharing a first token from the alternatives ``top`` after their common
+    prefix: the shared token's logprob plus each name's first differing token's (the least listed when
+    it is not listed; nothing when the name is the common prefix). The common middle tokens, equal for
+    every member, are left out, so members rank exactly by the differing token."""
+    shared = common_prefix([list(tokens[n]) for n in members])
+    floor = min(top.values())
+    return {n: first_lp + (top.get(tokens[n][shared], floor) if len(tokens[n]) > shared else 0.0) for n in members}
+
+
+def common_tokens(members: Sequence[str], tokens: Mapping[str, Sequence[int]]) -> list[int]:
+    """The token ids every one of ``members`` starts with."""
+    first = list(tokens[members[0]])
+    return first[:common_prefix([list(tokens[n]) for n in members])]
+
+
 def top_logprobs(body: Mapping[str, Any]) -> tuple[dict[int, float], int]:
     """(token id → logprob of the first generated token's alternatives, the prompt's token count)."""
     try:

@@ -132,3 +132,49 @@ async def test_first_token_equals_the_k_prompt_path_on_the_tiny_model(served_tin
         assert set(first._groups) == {("router@1", SINGLE), ("router@1", SHARED)}
         assert first._groups[("router@1", SHARED)][next(t for t, n in first._groups[("router@1", SHARED)].items()
                                                         if len(n) == 2)] == ("dense-all", "dense-bio")
+
+
+class _Recording:
+    """Wraps a RouterClient's ``_post`` to keep every body it sends."""
+
+    def __init__(self, client) -> None:
+        self.bodies: list[dict] = []
+        post = client._post
+
+        async def recorded(model, path, payload):
+            self.bodies.append(payload)
+            return await post(model, path, payload)
+
+        client._post = recorded
+
+
+async def test_without_prompt_logprobs_the_decision_needs_none_and_agrees(served_tiny) -> None:
+    """The vLLM-safe first-token path (``prompt_logprobs=False``): names tokenized once by a K-prompt
+    call with ``return_token_ids``, a contested shared token split by a token-id completion after the
+    names' common prefix; no request asks for ``prompt_logprobs``."""
+    from services.router.client import RouterClient
+
+    with pytest.raises(ValueError, match="score mode needs prompt_logprobs"):
+        RouterClient(served_tiny, mode="score", prompt_logprobs=False)
+    async with RouterClient(served_tiny, mode="score", timeout_s=30) as k_prompt, \
+            RouterClient(served_tiny, mode="first-token", timeout_s=30, first_token_top=1000, first_token_slack=1.0,
+                         prompt_logprobs=False) as safe:
+        sent = _Recording(safe)
+        for query in QUERIES:
+            want = await k_prompt.route("router@1", SINGLE, query)
+            got = await safe.route("router@1", SINGLE, query)
+            assert got.ordering[0] == want.ordering[0], query
+            offset = want.scores["a"] - got.scores["a"]
+            assert {n: v + offset for n, v in got.scores.items()} == pytest.approx(want.scores, abs=2e-4)
+            want = await k_prompt.route("router@1", SHARED, query)
+            got = await safe.route("router@1", SHARED, query)
+            offset = want.scores["a"] - got.scores["a"]
+            # "dense-all" / "dense-bio" are dense,-,all / dense,-,bio: the split leaves out the shared "-"
+            # (the same for both), so the members keep their exact order and gap
+            gap = [got.scores[n] + offset - want.scores[n] for n in ("dense-all", "dense-bio")]
+            assert gap[0] == pytest.approx(gap[1], abs=2e-4) and gap[0] >= -2e-4
+            assert {n: got.scores[n] + offset for n in ("a", "bio")} == pytest.approx(
+                {n: want.scores[n] for n in ("a", "bio")}, abs=2e-4)
+        assert sent.bodies and not any("prompt_logprobs" in b for b in sent.bodies)
+        assert sum(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], str) for b in sent.bodies) == 2  # once per set
+        assert any(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], int) for b in sent.bodies)
