@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -24,6 +25,8 @@ from services.common.errors import FanrouteError
 from services.sampler.registry import AdapterError
 
 log = logging.getLogger(__name__)
+PREFILL_KEPT = 8  # generation prompts whose keys/values a later prefill may reuse
+PREFILL_MIN_REUSE = 16  # shorter shared prefixes are forwarded again
 FinishReason = Literal["stop", "length"]
 
 
@@ -82,6 +85,8 @@ class Engine:
         self.prefix_cache: Any = None  # a scoring.PrefixCache, when the sampler scores prompts
         self._active: tuple[str | None] | None = None  # (slot,) the forward passes go through; None: unknown
         self._token_texts: dict[int, str] = {}
+        self._prefills: OrderedDict[tuple[str | None, tuple[int, ...]], list[list[Any]]] = OrderedDict()
+        self.prefill_tokens_reused = 0
         context = getattr(self.model.config, "max_position_embeddings", None) or 2048
         self.max_model_len = min(max_model_len or context, context)
         self.eos_token_ids = self._eos_ids()
@@ -164,6 +169,8 @@ class Engine:
         """Drop what the prefix cache holds for ``slot`` (its weights are about to change) and forget
         which slot is active (peft switches on loads and deletes)."""
         self._active = None
+        for key in [k for k in self._prefills if k[0] == slot]:
+            del self._prefills[key]
         if self.prefix_cache is not None:
             self.prefix_cache.drop(slot)
 
@@ -211,16 +218,44 @@ class Engine:
         return self._done(gen, params, t0)
 
     def prefill(self, prompt_ids: list[int], slot: str | None) -> tuple[Any, Any]:
-        """A new sequence's batch-1 KV cache over ``prompt_ids`` and the logits after it (hold the lock;
-        the same forward :meth:`generate` starts with, so a batched sequence starts exactly alike)."""
+        """A new sequence's batch-1 KV cache over ``prompt_ids`` and the logits after it (hold the lock).
+
+        The longest prefix already computed for ``slot`` (a recent generation's prompt, or a scoring
+        prefix) is copied in and only the rest is forwarded: a rollout group's prompts, or router
+        prompts sharing the system turn, are prefilled once. What is kept are the prompt's own
+        tensors (a cache only grows by concatenation, never in place)."""
         import torch
 
+        from services.sampler.kvbatch import cache_layers
+
         self._activate(slot)
-        cache = self._new_cache()
+        reused, kv = self._known_prefix(slot, prompt_ids)
+        cache = self._new_cache([(k[:, :, :reused], v[:, :, :reused]) for k, v in kv] if reused else None)
         with torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([prompt_ids]), use_cache=True, **self._keep_last,
+            out = self.model(input_ids=torch.tensor([prompt_ids[reused:]]), use_cache=True, **self._keep_last,
                              **{self._cache_kwarg: cache})
+        self.prefill_tokens_reused += reused
+        if len(prompt_ids) >= PREFILL_MIN_REUSE:
+            self._prefills[(slot, tuple(prompt_ids))] = cache_layers(cache)
+            while len(self._prefills) > PREFILL_KEPT:
+                self._prefills.popitem(last=False)
         return cache, out.logits[0, -1].float()
+
+    def _known_prefix(self, slot: str | None, prompt_ids: list[int]) -> tuple[int, list[list[Any]]]:
+        """(tokens to reuse, per-layer [keys, values]) of the longest known prefix of ``prompt_ids``
+        for ``slot``; at least one token is left to forward, and short overlaps are not worth it."""
+        from services.sampler.scoring import shared_length
+
+        best, kv = 0, []
+        for (s, tokens), layers in self._prefills.items():
+            if s == slot and (n := shared_length(tokens, prompt_ids)) > best:
+                best, kv = n, layers
+        if self.prefix_cache is not None:
+            entry, n = self.prefix_cache.lookup(slot, prompt_ids)
+            if entry is not None and n > best:
+                best, kv = n, [[k, v] for k, v in zip(entry.keys, entry.values)]
+        best = min(best, len(prompt_ids) - 1)
+        return (best, kv) if best >= PREFILL_MIN_REUSE else (0, [])
 
     def decode_step(self, batch: Any, tokens: list[int], slot: str | None) -> Any:
         """Feed one token to every row of ``batch`` (a :class:`~services.sampler.kvbatch.KVBatch`) in
@@ -257,13 +292,14 @@ class Engine:
         gen.seconds = time.perf_counter() - t0
         return gen
 
-    def _new_cache(self) -> Any:
+    def _new_cache(self, data: list[tuple[Any, Any]] | None = None) -> Any:
+        """An empty DynamicCache, or one holding ``data`` (per layer: keys, values)."""
         from transformers import DynamicCache
 
         try:
-            return DynamicCache(config=self.model.config)
+            return DynamicCache(data, config=self.model.config) if data else DynamicCache(config=self.model.config)
         except TypeError:  # transformers 4.x: no config argument
-            return DynamicCache()
+            return DynamicCache.from_legacy_cache(tuple(data)) if data else DynamicCache()
 
     def _finished(self, gen: Generation, token: int, params: SamplingParams, stops: tuple[str, ...]) -> bool:
         """Set the finish reason and return True when ``token`` ends the generation."""

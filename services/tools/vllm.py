@@ -87,29 +87,36 @@ class VllmServer:
 @contextlib.asynccontextmanager
 async def running(server: VllmServer, *, log_path: Path, start_timeout_s: float = 600.0,
                   python: Path | None = None) -> AsyncIterator[tuple[str, float]]:
-    """Start ``server`` (its output to ``log_path``), wait for ``/health``; yields (URL, seconds to ready).
-    The whole process group is stopped on exit (vLLM runs an engine core and workers as children)."""
+    """Start ``server`` (its output to ``log_path``), wait for ``/health``; yields (URL, seconds to ready)."""
+    async with running_process(server.argv(python or vllm_python()), server.env(), server.url, log_path=log_path,
+                               start_timeout_s=start_timeout_s, what="vLLM") as ready:
+        yield ready
+
+
+@contextlib.asynccontextmanager
+async def running_process(argv: list[str], env: dict[str, str], url: str, *, log_path: Path, what: str,
+                          start_timeout_s: float = 600.0) -> AsyncIterator[tuple[str, float]]:
+    """Run an OpenAI-compatible server process until ``url``/health answers 200; yields (URL, seconds to
+    ready). Its whole process group is stopped on exit (vLLM runs an engine core and workers as children)."""
     import aiohttp
 
-    python = python or vllm_python()
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with log_path.open("ab") as log:
-        proc = subprocess.Popen(server.argv(python), env=server.env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         async with aiohttp.ClientSession() as http:
             while True:
                 if proc.poll() is not None:
-                    raise VllmUnavailable(f"vLLM exited ({proc.returncode}) before it was ready; see {log_path}")
+                    raise VllmUnavailable(f"{what} exited ({proc.returncode}) before it was ready; see {log_path}")
                 if time.perf_counter() - t0 > start_timeout_s:
-                    raise VllmUnavailable(f"vLLM not ready after {start_timeout_s:.0f}s; see {log_path}")
+                    raise VllmUnavailable(f"{what} not ready after {start_timeout_s:.0f}s; see {log_path}")
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with http.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                    async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as r:
                         if r.status == 200:
                             break
                 await asyncio.sleep(0.5)
-        yield server.url, time.perf_counter() - t0
+        yield url, time.perf_counter() - t0
     finally:
         stop_group(proc)
 

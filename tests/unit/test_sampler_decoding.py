@@ -131,3 +131,28 @@ def test_kv_batch_pads_on_the_left_and_trims_what_no_row_uses(engine: Engine, tm
     assert batch.width == 5 and batch.lengths == [3, 5]
     keys = batch.cache.layers[0].keys
     assert keys.shape[0] == 2 and keys.shape[2] == 5
+
+
+async def test_prefill_reuses_a_known_prefix_and_changes_nothing(engine: Engine) -> None:
+    system = [{"role": "system", "content": "You route search queries to search providers. The providers are: "
+                                            "bio-dense, bm25-all, dense-all, eng-bm25, lib-bm25, alpha, beta."}]
+    prompts = [engine.chat_prompt([*system, {"role": "user", "content": q}]) for q in PROMPTS]
+    prompts.append(prompts[0])  # a rollout group's second member: the whole prompt is known
+    before = engine.prefill_tokens_reused
+    jobs = [("a", ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)) for ids in prompts]
+    done = []
+    for job in jobs:  # one after another, so each prefill finds the ones before
+        done += (await decode_all(engine, [job], max_num_seqs=1))[0]
+    reused = engine.prefill_tokens_reused - before
+    shared = min(len(p) for p in prompts) - 8
+    assert reused >= shared * (len(prompts) - 1)  # the system turn, every time after the first
+    for (slot, ids, p), got in zip(jobs, done):
+        alone = engine.generate(ids, p, slot=slot)
+        assert got.token_ids == alone.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, alone.logprobs)) < TOL
+    engine.load_adapter("a", engine_adapter_dir(engine))  # reloading a slot forgets its prefixes
+    assert not [k for k in engine._prefills if k[0] == "a"]
+
+
+def engine_adapter_dir(engine: Engine) -> Path:
+    return Path(engine._peft.peft_config["a"].base_model_name_or_path).parent / "lora-a"
