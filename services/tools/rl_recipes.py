@@ -56,8 +56,11 @@ RECIPES = {"smoke": Recipe(tasks=1, group_size=2, groups_per_batch=1, steps=1, r
 
 
 @contextlib.asynccontextmanager
-async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Path, recipe: Recipe, model_id: str):
-    """Publisher, sampler (pulling adapters), relay and rollout runner on loopback; yields the publisher URL."""
+async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Path, recipe: Recipe, model_id: str,
+                engine: str = "cpu", vllm_url: str | None = None):
+    """Publisher, sampler (pulling adapters), relay and rollout runner on loopback; yields the publisher URL.
+    ``engine="vllm"``: the real vLLM server generates (the one at ``vllm_url``, else one started here),
+    and the sampler only loads each published adapter into it."""
     from services.publisher.app import create_app as publisher_app
     from services.publisher.settings import PublisherSettings
     from services.relay.app import create_app as relay_app
@@ -76,10 +79,19 @@ async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Pa
         await st.enter_async_context(served(publisher_app(PublisherSettings(
             kafka=kafka, redis=redis, port=pport, storage_dir=work / "store", public_url=purl)), pport,
             what="publisher", start_timeout_s=120))
+        if engine != "vllm":
+            vllm_url = None
+        elif vllm_url is None:
+            from services.tools.vllm import VllmServer, running
+
+            vllm_url, _ = await st.enter_async_context(running(
+                VllmServer(model=str(base), port=free_port(), max_lora_rank=64, max_loras=4),
+                log_path=work / "vllm.log"))
         surl = await st.enter_async_context(served(sampler_app(SamplerSettings(
             kafka=kafka, redis=redis, port=sport, base_model=str(base), adapter_cache_dir=work / "cache",
-            publisher_url=purl, group_id=f"sampler-rl-{uuid.uuid4().hex[:6]}")), sport, what="sampler",
-            start_timeout_s=300))
+            publisher_url=purl, group_id=f"sampler-rl-{uuid.uuid4().hex[:6]}", vllm_url=vllm_url)), sport,
+            what="sampler", start_timeout_s=300))
+        surl = vllm_url or surl
         relay = RelaySettings(kafka=kafka, redis=redis, port=rport, sampler_url=surl, tokenizer=str(base),
                               adapter_model_id=model_id, admin_token=ADMIN)
         rurl = await st.enter_async_context(served(relay_app(relay), rport, what="relay", start_timeout_s=120))
@@ -146,7 +158,8 @@ async def preflight(kafka: KafkaSettings, tasks: list[Task], timeout_s: float) -
 async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, tasks_dir: Path, out_dir: Path, *,
                      steps: int | None = None, max_tasks: int | None = None, max_tokens: int | None = None,
                      group_size: int | None = None, lr: float | None = None, base_model: str | None = None,
-                     init_adapter: Path | None = None, print_: Any = print) -> dict[str, Any]:
+                     init_adapter: Path | None = None, engine: str = "cpu", vllm_url: str | None = None,
+                     print_: Any = print) -> dict[str, Any]:
     """Start the stack, run ``name``, write ``out_dir/<name>.json``; returns that summary."""
     from services.models.prepare import DEFAULT_BASE, resolve_base
     from services.trainer.rl import train_rl_async
@@ -163,7 +176,7 @@ async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, task
     out_dir.mkdir(parents=True, exist_ok=True)
     model_id = f"rl-{name}-{uuid.uuid4().hex[:6]}"
     t0 = time.perf_counter()
-    async with stack(kafka, redis, out_dir / "work", base, r, model_id) as purl:
+    async with stack(kafka, redis, out_dir / "work", base, r, model_id, engine, vllm_url) as purl:
         t_up = time.perf_counter() - t0
         print_(f"{name}: stack up in {t_up:.0f}s; {len(tasks)} tasks, group size {r.group_size}")
         if name == "preflight":
@@ -182,7 +195,7 @@ async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, task
             summary = {"steps": [{k: v for k, v in s.items() if k in STEP_KEYS} for s in steps_
                                  if "event" not in s and "step" in s], "run_wall_time_s": time.perf_counter() - t1,
                        "version": result.published["version"] if result.published else None}
-    summary |= {"recipe": name, "model_id": model_id, "stack_start_s": t_up, "wall_time_s": time.perf_counter() - t0,
+    summary |= {"recipe": name, "engine": engine, "model_id": model_id, "stack_start_s": t_up, "wall_time_s": time.perf_counter() - t0,
                 "sizes": r.__dict__}
     (out_dir / f"{name}.json").write_text(json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n")
     if summary.get("steps"):
