@@ -9,7 +9,7 @@ import time
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.topics import topic
@@ -23,6 +23,7 @@ from services.common.spool import SpoolError
 from services.common.stamps import StampStore
 from services.gateway.ids import trace_id_for
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.link import KafkaLink
 from services.gateway.outbox import TraceOutbox, default_spool_dir
 from services.gateway.push import RESPONSES as PUSH_RESPONSES
 from services.gateway.push import push
@@ -87,29 +88,60 @@ class Gateway:
         self.outbox = TraceOutbox(bus, self.metrics, spool_dir=settings.spool_dir or default_spool_dir(
             settings.cache_dir), publish_wait_s=settings.publish_wait_s, max_bytes=settings.spool_max_bytes,
             max_records=settings.spool_max_records)
+        topics = (topic("traces"), topic("episodes")) + ((topic("adapters"),) if settings.routing.enabled else ())
+        self.link = KafkaLink(bus, topics, connect_timeout_s=settings.kafka_connect_timeout_s,
+                              on_connected=self.outbox.wake)
+        self.outbox.kafka_ready = lambda: self.link.connected
+        self.outbox.on_stuck_producer = self.link.reconnect
         self.routed = (RoutedMode(settings, providers, bus, self.metrics, stamps=stamps, client=router_client)
                        if settings.routing.enabled else None)
 
     async def start(self) -> None:
+        """Providers, then the spool, then Kafka: an unreachable broker does not keep the gateway from
+        serving (:mod:`services.gateway.link`); its traces are spooled until the broker answers."""
         t0 = time.perf_counter()
         await asyncio.gather(*(p.start() for p in self.providers))
-        topics = (topic("traces"), topic("episodes"))
         if self.routed is not None:
             self.routed.subscribe()
-            topics += (topic("adapters"),)
-        await self.bus.start(topics)
         await self.outbox.start()
+        await self.link.start()
         if self.routed is not None:
             await self.routed.start()
-        log.info("gateway ready in %.1fs with providers %s (%s)", time.perf_counter() - t0,
-                 [p.name for p in self.providers], "routed" if self.routed else "fan-out")
+        log.info("gateway ready in %.1fs with providers %s (%s; Kafka %s)", time.perf_counter() - t0,
+                 [p.name for p in self.providers], "routed" if self.routed else "fan-out", self.link.state)
 
     async def stop(self) -> None:
+        """Within ``shutdown_timeout_s`` whatever Kafka does; the spool is closed intact."""
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s
         if self.routed is not None:
             await self.routed.stop()
         await asyncio.gather(*(p.close() for p in self.providers), return_exceptions=True)
         await self.outbox.stop()
-        await self.bus.stop()
+        await self.link.stop(deadline - time.monotonic())
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of ``/healthz``: ``ok``; ``degraded`` (200: every request is still answered
+        and its trace kept) while Kafka is unreachable or the spool drains; ``unavailable`` (503, so a load
+        balancer takes this gateway out) when Kafka is unreachable and the spool cannot take more — then a
+        request's trace could be kept nowhere and the request is refused 503 anyway."""
+        spool = self.outbox.describe()
+        reasons = []
+        if not self.link.connected:
+            reasons.append(f"Kafka unreachable ({self.link.error or 'connecting'}): traces are spooled")
+        if spool["depth"]:
+            reasons.append(f"{spool['depth']} traces in the spool, re-published as Kafka acknowledges")
+        full = not self.outbox.can_take_more()
+        if full:
+            reasons.append(f"the spool cannot take more ({spool.get('error') or 'at its limit'})")
+        status = "unavailable" if full and not self.link.connected else "degraded" if reasons else "ok"
+        body = {"status": status, "providers": [p.name for p in self.providers],
+                "kafka": "memory" if self.bus.in_memory else self.settings.kafka.bootstrap_servers,
+                "link": self.link.describe(), "spool": spool}
+        if reasons:
+            body["reasons"] = reasons
+        if self.routed is not None:
+            body["routing"] = self.routed.describe()
+        return (503 if status == "unavailable" else 200), body
 
     async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, float]:
         """Fan out (or route), build and publish (or spool) the trace.
@@ -212,14 +244,12 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
         """JSONL, one Episode per line (the ``episodes`` topic's shape); valid lines are stored."""
         return await push(gw, await request.body())
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        health = {"status": "ok", "providers": [p.name for p in gw.providers],
-                  "kafka": "memory" if gw.bus.in_memory else gw.settings.kafka.bootstrap_servers}
-        health["spool"] = gw.outbox.describe()
-        if gw.routed is not None:
-            health["routing"] = gw.routed.describe()
-        return health
+    @app.get("/healthz", responses={503: {"description": "Kafka unreachable and the spool cannot take more: "
+                                                     "requests are refused (status unavailable)"}})
+    async def healthz() -> JSONResponse:
+        """``ok``, ``degraded`` (200, with ``reasons``) or ``unavailable`` (503): :meth:`Gateway.health`."""
+        status, body = gw.health()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:

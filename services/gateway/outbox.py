@@ -21,6 +21,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 from schemas.topics import topic
@@ -53,6 +54,8 @@ class TraceOutbox:
         self._wake = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
         self._stopping = False
+        self.kafka_ready: Callable[[], bool] = lambda: True  # False while the gateway has no link to Kafka
+        self.on_stuck_producer: Callable[[str], None] = lambda why: None  # the gateway reconnects
         m = metrics
         m.spool_depth.set_function(lambda: self.spool.depth)
         m.spool_oldest_age.set_function(self.spool.oldest_age_s)
@@ -98,7 +101,11 @@ class TraceOutbox:
     async def publish(self, trace: Trace) -> tuple[TraceStatus, str | None]:
         """``("published", None)``, or ``("spooled", why)``; raises :class:`SpoolError` when neither."""
         wire, value, key, headers = self.bus.record_of(topic("traces"), trace)
-        send = asyncio.ensure_future(self.bus.publish_raw(wire, value, key=key, headers=headers, timeout_s=None))
+        if not self.kafka_ready():  # no link yet (the gateway started in an outage): straight to the spool
+            send: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            send.set_exception(ConnectionError("Kafka unreachable since the gateway started"))
+        else:
+            send = asyncio.ensure_future(self.bus.publish_raw(wire, value, key=key, headers=headers, timeout_s=None))
         done, _ = await asyncio.wait({send}, timeout=self.publish_wait_s)
         if send in done and send.exception() is None:
             self.metrics.traces_published.inc()
@@ -147,7 +154,8 @@ class TraceOutbox:
             await asyncio.to_thread(self._apply_landed)
             batch = [r for r in self.spool.pending()
                      if r.seq not in self._inflight and r.seq not in self._landed][:DRAIN_BATCH]
-            if not batch:  # nothing, or only first sends still going: they wake us when they resolve
+            if not batch or not self.kafka_ready():  # nothing, only first sends still going (they wake us
+                # when they resolve), or no link to Kafka yet (it wakes us when it has one)
                 await self._woken(None)
                 continue
             ok = await self._republish(batch)
@@ -185,8 +193,19 @@ class TraceOutbox:
                 raise exc  # CancelledError and friends
             log.warning("re-publishing spooled traces: %d of %d failed (%s); retrying", len(failed), len(batch),
                         exc)
+            if _producer_stuck(exc):  # retrying on this producer fails for ever: a fresh one is needed
+                self.on_stuck_producer(f"{type(exc.__cause__ or exc).__name__}: {exc}")
             return False
         return True
+
+    def wake(self) -> None:
+        """Kafka is (back) there: drain now rather than at the end of the back-off."""
+        self._wake.set()
+
+    def can_take_more(self) -> bool:
+        """Whether one more trace would fit in the spool (writable, under both limits)."""
+        s = self.spool
+        return s.available and s.depth < s.max_records and s.pending_bytes < s.max_bytes
 
     # ------------------------------------------------------------------ reporting
     def describe(self) -> dict[str, Any]:
@@ -199,6 +218,16 @@ class TraceOutbox:
         if self.spool.error and not self.spool.available:
             out["error"] = self.spool.error
         return out
+
+
+#: aiokafka errors after which an idempotent producer refuses every further send until it is recreated
+STUCK_PRODUCER = ("OutOfOrderSequenceNumber", "InvalidProducerEpoch", "ProducerFenced", "UnknownProducerId")
+
+
+def _producer_stuck(exc: BaseException) -> bool:
+    chain = [exc, exc.__cause__, exc.__context__]
+    return any(e is not None and type(e).__name__ in STUCK_PRODUCER for e in chain) or \
+        any(name in str(exc) for name in STUCK_PRODUCER)
 
 
 __all__ = ["TraceOutbox", "TraceStatus", "default_spool_dir"]

@@ -107,6 +107,14 @@ class GatewaySettings(ServiceSettings):
         default=0.5, gt=0, le=30,
         description="How long a request waits for Kafka to acknowledge its trace; past it the trace is "
                     "spooled locally (answered trace_status=spooled) and re-published in the background")
+    kafka_connect_timeout_s: float = Field(
+        default=10.0, gt=0, le=300,
+        description="One attempt to reach Kafka (topics, producer); an unreachable broker does not stop the "
+                    "gateway: it serves, spools every trace, and keeps trying in the background")
+    shutdown_timeout_s: float = Field(
+        default=10.0, gt=0, le=600,
+        description="A clean stop finishes within this, Kafka reachable or not (what it did not acknowledge "
+                    "stays in the spool for the next start)")
     spool_dir: Path | None = Field(
         default=None, description="Directory of the trace spool (outbox); default <cache_dir>/spool "
                                   "(see services.common.paths). One gateway per directory (it is locked)")

@@ -130,7 +130,8 @@ async def test_healthz_metrics_and_openapi(gw_client):
     client, *_ = gw_client
     health = (await client.get("/healthz")).json()
     spool = health.pop("spool")
-    assert health == {"status": "ok", "providers": ["a", "b", "c"], "kafka": "memory"}
+    assert health == {"status": "ok", "providers": ["a", "b", "c"], "kafka": "memory",
+                      "link": {"state": "memory", "bootstrap_servers": "memory://"}}
     assert spool["status"] == "ok" and spool["depth"] == 0 and spool["oldest_age_s"] == 0
     await client.post("/v1/search", json={"query": "q"})
     m = (await client.get("/metrics")).text

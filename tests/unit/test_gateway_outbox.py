@@ -167,3 +167,64 @@ def test_settings_read_the_spool_dir_from_the_environment(tmp_path, monkeypatch)
     monkeypatch.setenv("FANROUTE_PUBLISH_WAIT_S", "0.25")
     s = GatewaySettings(kafka=KafkaSettings(bootstrap_servers="memory://"), providers=[BM25Config(name="x")])
     assert s.spool_dir == tmp_path / "s" and s.publish_wait_s == 0.25
+
+
+class StuckBus(GatedBus):
+    """A producer the broker refuses (aiokafka's OutOfOrderSequenceNumber) until it is recreated."""
+
+    def __init__(self, settings: KafkaSettings) -> None:
+        super().__init__(settings)
+        self.stuck = False
+        self.restarts = 0
+
+    async def start(self, topics=()) -> None:
+        if self.stuck:  # a fresh producer: a new producer id, the broker takes its sends
+            self.restarts += 1
+            self.stuck = False
+        await super().start(topics)
+
+    async def publish_raw(self, topic, value, *, key, headers, timeout_s="setting") -> None:
+        if self.stuck:
+            from aiokafka.errors import OutOfOrderSequenceNumber
+
+            try:
+                raise OutOfOrderSequenceNumber()
+            except OutOfOrderSequenceNumber as exc:
+                raise BusError(f"publish to {topic} failed: OutOfOrderSequenceNumber: {exc}") from exc
+        await super().publish_raw(topic, value, key=key, headers=headers, timeout_s=timeout_s)
+
+
+async def test_a_producer_the_broker_refuses_is_recreated_and_the_spool_drains(tmp_path):
+    """Retrying on an idempotent producer whose sequence the broker refuses fails for ever (seen on the
+    real broker after a pause): the gateway reconnects, and what was spooled meanwhile is published once."""
+    settings = _settings(tmp_path / "spool")
+    gw = build_gateway(settings, bus=StuckBus(settings.kafka), providers=[StaticProvider("a", ("u1",))])
+    got: list[Trace] = []
+
+    async def on_trace(t: Trace) -> None:
+        got.append(t)
+
+    gw.bus.subscribe(topic("traces"), on_trace, group_id="test")
+    await gw.start()
+    app = create_app(settings, gateway=gw)
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
+            gw.bus.stuck = True
+            ids, statuses = [], []
+            for i in range(3):  # the first is spooled; the drainer's failing re-publish makes the gateway
+                # reconnect, after which the next ones may already be published
+                r = await client.post("/v1/search", json={"query": f"stuck {i}", "request_id": f"stuck-{i}"})
+                assert r.status_code == 200
+                ids.append(r.json()["trace_id"])
+                statuses.append(r.json()["trace_status"])
+            assert statuses[0] == "spooled"
+
+            async def drained() -> bool:
+                return gw.outbox.spool.depth == 0 and gw.link.connected
+
+            await eventually(drained, timeout_s=20, what="a fresh producer draining the spool")
+            assert gw.bus.restarts == 1 and gw.link.reconnects == 1
+            await eventually(lambda: sorted(t.trace_id for t in got) == sorted(ids) or None, timeout_s=10,
+                             what="each spooled trace delivered")
+    finally:
+        await gw.stop()
