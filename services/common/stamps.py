@@ -27,12 +27,26 @@ def _serving_prefix(namespace: str, model_id: str) -> str:
     return f"fanroute:{namespace}adapter:serving:{model_id}"
 
 
+#: KEYS[1] = max(KEYS[1], ARGV[1]), atomically; returns the value.
+RAISE_TO = """
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+local wanted = tonumber(ARGV[1])
+if current < wanted then redis.call('SET', KEYS[1], wanted); return wanted end
+return current
+"""
+
+
 class StampStore(abc.ABC):
     """Version stamps per model id, and which sampler serves which version (with a TTL)."""
 
     @abc.abstractmethod
     async def incr(self, model_id: str) -> int:
         """Move the stamp on by one and return it: the new version number."""
+
+    @abc.abstractmethod
+    async def raise_to(self, model_id: str, version: int) -> int:
+        """Set the stamp to ``version`` unless it is already at least that (atomic); returns the stamp.
+        How a publisher restores a stamp Redis lost: version numbers never restart under a name."""
 
     @abc.abstractmethod
     async def get(self, model_id: str) -> int:
@@ -71,6 +85,10 @@ class MemoryStampStore(StampStore):
         self.stamps[model_id] = self.stamps.get(model_id, 0) + 1
         return self.stamps[model_id]
 
+    async def raise_to(self, model_id: str, version: int) -> int:
+        self.stamps[model_id] = max(self.stamps.get(model_id, 0), version)
+        return self.stamps[model_id]
+
     async def get(self, model_id: str) -> int:
         return self.stamps.get(model_id, 0)
 
@@ -99,6 +117,9 @@ class RedisStampStore(StampStore):
 
     async def incr(self, model_id: str) -> int:
         return int(await self.client.incr(stamp_key(self.namespace, model_id)))
+
+    async def raise_to(self, model_id: str, version: int) -> int:
+        return int(await self.client.eval(RAISE_TO, 1, stamp_key(self.namespace, model_id), version))
 
     async def get(self, model_id: str) -> int:
         return int(await self.client.get(stamp_key(self.namespace, model_id)) or 0)

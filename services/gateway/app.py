@@ -90,7 +90,7 @@ class Gateway:
             max_records=settings.spool_max_records)
         topics = (topic("traces"), topic("episodes")) + ((topic("adapters"),) if settings.routing.enabled else ())
         self.link = KafkaLink(bus, topics, connect_timeout_s=settings.kafka_connect_timeout_s,
-                              on_connected=self.outbox.wake)
+                              on_connected=self.outbox.wake, required=settings.require_kafka_at_start)
         self.outbox.kafka_ready = lambda: self.link.connected
         self.outbox.on_stuck_producer = self.link.reconnect
         self.routed = (RoutedMode(settings, providers, bus, self.metrics, stamps=stamps, client=router_client)

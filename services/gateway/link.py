@@ -27,8 +27,9 @@ class KafkaLink:
     """Starts ``bus`` on ``topics``, now or as soon as the broker answers; says how it stands."""
 
     def __init__(self, bus: Bus, topics: tuple[TopicSpec, ...], *, connect_timeout_s: float,
-                 on_connected: Callable[[], None]) -> None:
+                 on_connected: Callable[[], None], required: bool = False) -> None:
         self.bus, self.topics, self.connect_timeout_s, self.on_connected = bus, topics, connect_timeout_s, on_connected
+        self.required = required  # an unreachable broker at start is an error (raised), not an outage
         self.state: LinkState = "stopped"
         self.error: str | None = None
         self.down_since: float | None = None  # wall clock of the first failed attempt of this outage
@@ -41,9 +42,13 @@ class KafkaLink:
         return self.state == "connected"
 
     async def start(self) -> None:
-        """One attempt now; if the broker does not answer, keep trying in the background (never raises
-        for an unreachable broker: the outbox spools meanwhile)."""
+        """One attempt now; if the broker does not answer, keep trying in the background (the outbox
+        spools meanwhile), unless ``required``: then the start fails."""
         self.state = "connecting"
+        if self.required:
+            await self.bus.start(self.topics)  # raises BusError, as a gateway that needs Kafka should
+            self.state = "connected"
+            return
         if await self._attempt():
             return
         log.warning("Kafka at %s unreachable at start (%s): serving anyway, every trace is spooled until it "

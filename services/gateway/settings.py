@@ -111,6 +111,9 @@ class GatewaySettings(ServiceSettings):
         default=10.0, gt=0, le=300,
         description="One attempt to reach Kafka (topics, producer); an unreachable broker does not stop the "
                     "gateway: it serves, spools every trace, and keeps trying in the background")
+    require_kafka_at_start: bool = Field(
+        default=False, description="Refuse to start while Kafka is unreachable (the old behaviour; the demo "
+                                   "sets it, since it reads the traces back from the topic)")
     shutdown_timeout_s: float = Field(
         default=10.0, gt=0, le=600,
         description="A clean stop finishes within this, Kafka reachable or not (what it did not acknowledge "

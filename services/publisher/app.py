@@ -7,6 +7,7 @@ Each new version bumps the Redis version stamp and is announced on the ``adapter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import UTC, datetime
 from typing import Any, AsyncIterator
@@ -42,6 +43,7 @@ from services.publisher.store import (
     MissingBlobs,
     NotFound,
     PublisherError,
+    VersionTaken,
     content_key,
     retention_victims,
 )
@@ -117,6 +119,8 @@ class PublisherMetrics:
         self.deleted_versions = c("fanroute_publisher_versions_deleted_total", "Versions removed by retention")
         self.deleted_blobs = c("fanroute_publisher_blobs_deleted_total", "Unreferenced blobs deleted")
         self.rejected = c("fanroute_publisher_rejected_total", "Refused requests", "reason")
+        self.stamps_restored = c("fanroute_publisher_stamps_restored_total",
+                                 "Stamps or promotions Redis had lost, put back from the manifests")
 
 
 class Publisher:
@@ -131,11 +135,21 @@ class Publisher:
         self.metrics = PublisherMetrics()
         self.base_url = settings.public_url.rstrip("/")
         self._lock = asyncio.Lock()  # one writer of manifests; also keeps the sweep off a pending POST
+        self._checker: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.bus.start((topic("adapters"),))
+        try:
+            await self.reconcile()
+        except Exception as exc:  # noqa: BLE001 - Redis not there yet: the periodic check catches up
+            log.warning("stamp check at start failed (Redis unreachable?): %s", exc)
+        self._checker = asyncio.create_task(self._reconcile_forever(), name="publisher:stamp-check")
 
     async def stop(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
         await self.bus.stop()
         await self.stamps.close()
 
@@ -160,7 +174,7 @@ class Publisher:
             missing = self.blobs.missing(req.files)
             if missing:
                 raise MissingBlobs(missing)
-            version = await self.stamps.incr(model_id)
+            version = await self._next_version(model_id)
             manifest = Manifest(
                 model_id=model_id, version=version, base_model=req.base_model, files_sha256=req.files,
                 files_bytes={n: self.blobs.path(s).stat().st_size for n, s in req.files.items()},
@@ -171,6 +185,49 @@ class Publisher:
             await self._retain(model_id)
         log.info("published %s v%d (%d files)", model_id, version, len(req.files))
         return message, True
+
+    async def _next_version(self, model_id: str) -> int:
+        """The stamp moved on by one, never onto a version this publisher already stored: after Redis
+        lost the stamp (a restart without persistence, a FLUSHALL) ``incr`` would start again at 1 and
+        name different content ``router@1``; the stamp is first raised to the newest stored version."""
+        version = await self.stamps.incr(model_id)
+        newest = max(self.manifests.versions(model_id), default=0)
+        if version <= newest:
+            log.warning("stamp of %s was %d but v%d is stored (Redis lost it): raised to %d", model_id,
+                        version - 1, newest, newest)
+            self.metrics.stamps_restored.inc()
+            await self.stamps.raise_to(model_id, newest)
+            version = await self.stamps.incr(model_id)
+        if version in self.manifests.versions(model_id):
+            raise VersionTaken(f"{model_id} v{version} already names other content; not overwritten")
+        return version
+
+    async def reconcile(self) -> int:
+        """Put back what Redis lost from this publisher's own records: each model id's stamp (at least
+        its newest stored version) and its promoted version. Returns how many keys were restored."""
+        restored = 0
+        for model_id in self.manifests.model_ids():
+            newest = max(self.manifests.versions(model_id), default=0)
+            if newest and await self.stamps.get(model_id) < newest:
+                await self.stamps.raise_to(model_id, newest)
+                restored += 1
+            promoted = self.manifests.promoted(model_id)
+            if promoted is not None and await self.stamps.promoted(model_id) is None:
+                record = self.manifests.promotion(model_id, promoted) or {}
+                await self.stamps.set_promoted(model_id, promoted, record.get("fallback_provider"))
+                restored += 1
+        if restored:
+            self.metrics.stamps_restored.inc(restored)
+            log.warning("restored %d adapter stamps/promotions in Redis from the publisher's manifests", restored)
+        return restored
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.stamp_check_s)
+            try:
+                await self.reconcile()
+            except Exception as exc:  # noqa: BLE001 - Redis away: the next round tries again
+                log.warning("stamp check failed (Redis unreachable?): %s", exc)
 
     async def _announce(self, manifest: Manifest) -> AdapterPublished:
         """Publish the version's message unless Kafka already acked it; marks it announced."""

@@ -28,6 +28,9 @@ class PublisherSettings(ServiceSettings):
                                 description="Largest JSON request body")
     serving_ttl_s: float = Field(default=300.0, gt=0, le=86_400,
                                  description="A sampler's serving report pins its version this long")
+    stamp_check_s: float = Field(default=5.0, gt=0, le=3600,
+                                 description="How often the stamps and promotions in Redis are checked against "
+                                             "the manifests (and restored when Redis lost them)")
     orphan_grace_s: float = Field(default=3600.0, ge=0, le=30 * 86_400,
                                   description="An unreferenced blob younger than this is not deleted "
                                               "(it may be uploaded for a version not posted yet)")

@@ -54,6 +54,12 @@ class MissingBlobs(PublisherError, LookupError):
         self.missing = missing
 
 
+class VersionTaken(PublisherError, ValueError):
+    """A version number that already names other content (never overwritten)."""
+
+    status, error = 409, "version_taken"
+
+
 class NotFound(PublisherError, LookupError):
     """No such blob, model id, version or file."""
 

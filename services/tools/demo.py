@@ -102,7 +102,7 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
     from services.gateway.app import create_app
     from services.gateway.settings import GatewaySettings
 
-    settings = GatewaySettings(kafka=kafka, port=free_port())
+    settings = GatewaySettings(kafka=kafka, port=free_port(), require_kafka_at_start=True)  # it reads the traces back
     step(2, STEPS, f"starting the gateway (fan-out mode) with providers {[p.name for p in settings.providers]}"
          " (indexes are built once and cached; the first run builds them) ...")
     t0 = time.perf_counter()

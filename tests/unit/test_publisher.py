@@ -344,3 +344,36 @@ def test_export_merged_matches_base_plus_adapter(harness, tmp_path):
     assert torch.allclose(merged, with_adapter, atol=1e-4), (merged - with_adapter).abs().max()
     with pytest.raises(FileExistsError):
         export_merged(tmp_path / "base", tmp_path / "adapter", out)
+
+
+def test_a_stamp_redis_lost_never_renames_stored_content(harness):
+    """Redis forgets (a restart without persistence, FLUSHALL): the next version is the stored newest + 1,
+    never a second ``router@1``; the lost stamp and promotion are put back from the manifests."""
+    c = harness.client
+    c.publish("router", harness.adapter_dir("1"), "base", {})
+    c.publish("router", harness.adapter_dir("2"), "base", {})
+    c.promote("router", 2, fallback_provider="bm25-all")
+    harness.stamps.stamps.clear()
+    harness.stamps.promotions.clear()  # what FLUSHALL does to both keys
+    assert asyncio.run(harness.publisher.reconcile()) == 2
+    assert harness.client.stamp("router") == 2 and asyncio.run(harness.stamps.promoted("router")) == (2, "bm25-all")
+    harness.stamps.stamps.clear()  # lost again, before a publish this time
+    msg = c.publish("router", harness.adapter_dir("3"), "base", {})
+    assert msg["version"] == 3 and harness.client.stamp("router") == 3
+    assert [harness.client.manifest("router", v)["files_sha256"] != msg["files_sha256"] for v in (1, 2)] == [True] * 2
+    metrics = harness.http.get("/metrics").text
+    assert "fanroute_publisher_stamps_restored_total 3.0" in metrics
+
+
+def test_a_version_number_that_names_other_content_is_refused(harness):
+    from services.publisher.store import VersionTaken
+
+    harness.client.publish("router", harness.adapter_dir("1"), "base", {})
+
+    async def stamp_behind(model_id: str, *_: int) -> int:  # a stamp store that keeps answering 1
+        return 1
+
+    harness.stamps.incr = stamp_behind
+    harness.stamps.raise_to = stamp_behind
+    with pytest.raises(VersionTaken, match="v1 already names other content"):
+        asyncio.run(harness.publisher._next_version("router"))
