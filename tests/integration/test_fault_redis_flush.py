@@ -8,7 +8,6 @@ at 0 after the flush and the next publish announced a second, different ``router
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 import pytest
@@ -21,19 +20,12 @@ from services.common.settings import KafkaSettings, RedisSettings
 from services.common.stamps import parse_promoted, promoted_key, stamp_key
 from services.publisher.app import create_app
 from services.publisher.settings import PublisherSettings
+from tests.integration.test_publisher_kafka import _adapter
 from tests.support import fault_matrix
 from tests.support.poll import eventually
 from tests.support.serving import free_port, served
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis]
-
-
-def _adapter(root, tag: str):
-    d = root / f"adapter-{tag}"
-    d.mkdir()
-    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
-    (d / "adapter_model.safetensors").write_bytes(f"weights {tag}".encode() * 1000)
-    return d
 
 
 async def test_flushall_mid_flow_restores_the_stamp_and_never_reuses_a_version(kafka_bootstrap, redis_url,

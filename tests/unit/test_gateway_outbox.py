@@ -51,9 +51,9 @@ def _settings(spool_dir, **kw) -> GatewaySettings:
 
 
 @asynccontextmanager
-async def gateway(spool_dir, **kw):
+async def gateway(spool_dir, bus_class: type[GatedBus] = GatedBus, **kw):
     settings = _settings(spool_dir, **kw)
-    gw = build_gateway(settings, bus=GatedBus(settings.kafka), providers=[StaticProvider("a", ("u1",))])
+    gw = build_gateway(settings, bus=bus_class(settings.kafka), providers=[StaticProvider("a", ("u1",))])
     got: list[Trace] = []
 
     async def on_trace(t: Trace) -> None:
@@ -197,34 +197,21 @@ class StuckBus(GatedBus):
 async def test_a_producer_the_broker_refuses_is_recreated_and_the_spool_drains(tmp_path):
     """Retrying on an idempotent producer whose sequence the broker refuses fails for ever (seen on the
     real broker after a pause): the gateway reconnects, and what was spooled meanwhile is published once."""
-    settings = _settings(tmp_path / "spool")
-    gw = build_gateway(settings, bus=StuckBus(settings.kafka), providers=[StaticProvider("a", ("u1",))])
-    got: list[Trace] = []
+    async with gateway(tmp_path / "spool", StuckBus) as (client, gw, got):
+        gw.bus.stuck = True
+        ids, statuses = [], []
+        for i in range(3):  # the first is spooled; the drainer's failing re-publish makes the gateway
+            # reconnect, after which the next ones may already be published
+            r = await client.post("/v1/search", json={"query": f"stuck {i}", "request_id": f"stuck-{i}"})
+            assert r.status_code == 200
+            ids.append(r.json()["trace_id"])
+            statuses.append(r.json()["trace_status"])
+        assert statuses[0] == "spooled"
 
-    async def on_trace(t: Trace) -> None:
-        got.append(t)
+        async def drained() -> bool:
+            return gw.outbox.spool.depth == 0 and gw.link.connected
 
-    gw.bus.subscribe(topic("traces"), on_trace, group_id="test")
-    await gw.start()
-    app = create_app(settings, gateway=gw)
-    try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as client:
-            gw.bus.stuck = True
-            ids, statuses = [], []
-            for i in range(3):  # the first is spooled; the drainer's failing re-publish makes the gateway
-                # reconnect, after which the next ones may already be published
-                r = await client.post("/v1/search", json={"query": f"stuck {i}", "request_id": f"stuck-{i}"})
-                assert r.status_code == 200
-                ids.append(r.json()["trace_id"])
-                statuses.append(r.json()["trace_status"])
-            assert statuses[0] == "spooled"
-
-            async def drained() -> bool:
-                return gw.outbox.spool.depth == 0 and gw.link.connected
-
-            await eventually(drained, timeout_s=20, what="a fresh producer draining the spool")
-            assert gw.bus.restarts == 1 and gw.link.reconnects == 1
-            await eventually(lambda: sorted(t.trace_id for t in got) == sorted(ids) or None, timeout_s=10,
-                             what="each spooled trace delivered")
-    finally:
-        await gw.stop()
+        await eventually(drained, timeout_s=20, what="a fresh producer draining the spool")
+        assert gw.bus.restarts == 1 and gw.link.reconnects == 1
+        await eventually(lambda: sorted(t.trace_id for t in got) == sorted(ids) or None, timeout_s=10,
+                         what="each spooled trace delivered")
