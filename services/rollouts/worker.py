@@ -17,6 +17,7 @@ read from Redis when a group starts.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import contextlib
 import logging
 import signal
@@ -80,7 +81,7 @@ class RolloutWorker:
         counted as failed (left in the ledger for the next start)."""
         for attempt in range(1, GROUP_ATTEMPTS + 1):
             try:
-                group = await self.runner.run_group(task)
+                group = await self.runner.run_group(task, group_id_of(entry) if entry is not None else None)
                 await self.bus.publish(topic("rollouts"), group)
                 if entry is not None:
                     await self._forget(entry)
@@ -112,6 +113,13 @@ class RolloutWorker:
         for w in self.workers:
             w.cancel()
         await asyncio.gather(*self.workers, return_exceptions=True)
+
+
+def group_id_of(entry: str) -> str:
+    """The group id of a task record's group, from the record (its ledger entry): a runner killed after
+    publishing a group and before marking it done runs the task again on restart, and that second group
+    carries the same id, which the trainer drops as a duplicate."""
+    return "g-" + hashlib.sha256(entry.encode()).hexdigest()[:24]
 
 
 async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> None:

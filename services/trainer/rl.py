@@ -107,7 +107,7 @@ class RlLoop:
         self.bus = Bus(s.kafka, client_id="fanroute-trainer-rl")
         self.publisher = publisher
         self.step_of: dict[int, int] = {}
-        self.requeues_total = self.foreign = self.resampled = 0
+        self.requeues_total = self.foreign = self.resampled = self.duplicates = 0
         self.rows_max = 0
 
     async def on_group(self, group: RolloutGroup) -> None:
@@ -136,6 +136,10 @@ class RlLoop:
                                       f"({self.feeder.in_flight} tasks out); is the rollout runner consuming "
                                       "tasks?") from None
             kind = self.feeder.claim(group)
+            if kind == "duplicate":  # a runner restarted between publish and mark ran its task again
+                self.duplicates += 1
+                self.out(f"dropped duplicate group {group.group_id} of task {group.task_id[:12]}")
+                continue
             if kind is None:
                 self.foreign += 1
                 continue
@@ -283,7 +287,7 @@ async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | N
             rec: dict[str, Any] = reward_stats(groups) | {
                 "step": step, "groups": len(groups), "uniform_groups": sum(g.uniform for g in groups),
                 "requeues": requeued, "requeues_total": loop.requeues_total, "foreign_groups": loop.foreign,
-                "uniform_resampled": loop.resampled,
+                "duplicate_groups": loop.duplicates, "uniform_resampled": loop.resampled,
                 "lag_mean": sum(lags) / len(lags), "lag_max": max(lags),
                 "sampled_versions": sorted({g.adapter_version for g in groups}), "wait_time_s": t1 - t0}
             stepped = await asyncio.to_thread(loop.train_step, model, optimizer, scheduler, groups, pad_id)

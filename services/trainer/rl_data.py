@@ -80,6 +80,7 @@ class Feeder:
 
     def __post_init__(self) -> None:
         self.by_id = {t.task_id: t for t in self.train}
+        self.claimed: set[str] = set()  # group ids already counted
 
     def next_tasks(self, n: int) -> list[Task]:
         """The next ``n`` training tasks: every epoch the whole set, in a seeded order of its own."""
@@ -102,13 +103,18 @@ class Feeder:
         return sum(len(q) for q in self.out.values())
 
     def claim(self, group: RolloutGroup) -> str | None:
-        """The kind of the outstanding request this group answers (removing it), or None: not ours."""
+        """The kind of the outstanding request this group answers (removing it); ``"duplicate"`` for a
+        group id already claimed (the runner re-ran a record it had published: dropped, it answers
+        nothing); None: not ours."""
+        if group.group_id in self.claimed:
+            return "duplicate"
         q = self.out.get(group.task_id)
         if group.model_id != self.model_id or not q:
             return None
         match = next((i for i, (at, _) in enumerate(q) if at <= group.started_at), None)
         if match is None:
             return None
+        self.claimed.add(group.group_id)
         _, kind = q[match]
         del q[match]
         if not q:

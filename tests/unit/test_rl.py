@@ -128,3 +128,15 @@ def test_a_recipe_summary_plots_its_reward_and_mismatch(tmp_path):
         + [{"step": 4, "reward/mean": 0.9, "reward/p50": 0.9, "skipped": True}]}  # uniform: no mismatch
     path = plot_steps(summary, tmp_path / "overfit.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_group_published_twice_under_one_id_is_claimed_once(tasks):
+    """A runner killed after publishing a group and before marking it done runs the record again on restart;
+    both groups carry the record's group id (``services.rollouts.worker.group_id_of``): the second is
+    dropped, and it does not answer a later request for the same task (a resample, a requeue)."""
+    f = Feeder("router", tasks, seed=1)
+    g = group(tasks[0], [1.0, 0.0], version=1)
+    f.sent(tasks[0], at=g.started_at - timedelta(seconds=2))
+    f.sent(tasks[0], at=g.started_at - timedelta(seconds=1))  # asked again (e.g. dynamic sampling)
+    assert f.claim(g) == "train"
+    assert f.claim(g.model_copy()) == "duplicate" and f.in_flight == 1  # the second request still waits

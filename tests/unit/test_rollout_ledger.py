@@ -99,3 +99,35 @@ async def test_a_redelivered_record_is_not_run_again_but_the_same_task_sent_agai
         await w.close()
     assert len(runner.ran) == 2 and len(bus.published) == 2 and await ledger.pending() == []
     assert RecordRef("tasks", 0, 7).key < RecordRef("tasks", 0, 10).key  # zero-padded: log order
+
+
+async def test_a_record_run_again_after_a_lost_mark_gives_the_same_group_id():
+    """Killed between publishing and marking done: the restart runs the record again, under the same group
+    id (derived from the record), so the trainer can drop the second group."""
+    (task,) = [build_task(judged_trace("t-0"), verdict_for("t-0"), now=NOW)]
+
+    class Ids(Runner):
+        async def run_group(self, task, group_id=None):
+            self.ran.append(group_id)
+            return type("G", (), {"group_id": group_id, "model_id": "router", "adapter_version": 1})()
+
+    class LostMark(MemoryLedger):
+        async def done(self, key: str) -> None:  # the process died before this landed
+            raise TransientError("killed")
+
+    ledger, bus = LostMark(), Bus()
+    first = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), bus, Ids({}), ledger)  # type: ignore[arg-type]
+    try:
+        await first.on_task(task, RecordRef("tasks", 0, 3))
+        await first.queue.join()
+    finally:
+        await first.close()
+    runner = Ids({})
+    again = worker_mod.RolloutWorker(RolloutSettings(admin_token="x"), bus, runner, MemoryLedger())  # type: ignore[arg-type]
+    try:
+        await again.resume(await ledger.pending())
+        await again.queue.join()
+    finally:
+        await again.close()
+    ids = [g.group_id for g in bus.published]
+    assert len(ids) == 2 and ids[0] == ids[1] == worker_mod.group_id_of(RecordRef("tasks", 0, 3).key)
