@@ -1,5 +1,6 @@
 """Redis FLUSHALL mid-flow on the real redis-server: the publisher's stamp and promotion come back from its
-manifests, and no version number ever names two contents on the real ``adapters`` topic.
+manifests, and no version number ever names two contents on the real ``adapters`` topic; the relay's
+episode credentials fail closed.
 
 Before the publisher checked its stamps (``Publisher.reconcile``, ``_next_version``), the stamp restarted
 at 0 after the flush and the next publish announced a second, different ``router@1``.
@@ -68,3 +69,30 @@ async def test_flushall_mid_flow_restores_the_stamp_and_never_reuses_a_version(k
         results=[str(v) for v in sorted(contents)], announcements=len(msgs)))
     assert all(len(c) == 1 for c in contents.values()), contents  # no version names two contents
     assert sorted(contents) == [1, 2, 3] and row.lost == 0
+
+
+async def test_flushall_fails_the_relays_credentials_closed(redis_url):
+    """After Redis loses its data no episode credential opens anything: a live token and an expired one are
+    both refused 401 (never let through, never bound to another episode), and a token minted afterwards
+    opens its own episode only."""
+    from services.relay.credentials import RedisCredentialStore
+
+    clock = [1_000.0]
+    ns = f"flushcred{uuid.uuid4().hex[:8]}."
+    store = RedisCredentialStore(redis_url, ns, clock=lambda: clock[0])
+    r = redis.Redis.from_url(redis_url)
+    try:
+        live = await store.mint("ep-a", ttl_s=600)
+        expired = await store.mint("ep-b", ttl_s=5)
+        clock[0] += 10
+        assert await store.check(live, "ep-a") is None
+        assert (await store.check(expired, "ep-b")).kind == "expired_credential"
+        await r.flushall()
+        for token, trace in ((live, "ep-a"), (live, "ep-b"), (expired, "ep-b"), (expired, "ep-a")):
+            refusal = await store.check(token, trace)
+            assert refusal is not None and (refusal.status, refusal.kind) == (401, "unknown_credential"), trace
+        fresh = await store.mint("ep-c", ttl_s=600)
+        assert await store.check(fresh, "ep-c") is None and (await store.check(fresh, "ep-a")).status == 403
+    finally:
+        await store.close()
+        await r.aclose()
