@@ -27,6 +27,11 @@ class AdapterIntegrityError(AdapterError):
     """A downloaded adapter file is missing or its sha256 differs from the announced one."""
 
 
+class AdapterConflict(AdapterError):
+    """An announcement names a version this sampler already holds with other files: two contents under
+    one name (a Redis that lost the publisher's stamp, a reused broker). Refused, never served."""
+
+
 class AdapterUnavailable(FanrouteError, LookupError):
     """A requested model name is not known here and could not be fetched."""
 

@@ -27,6 +27,7 @@ from schemas.adapter import AdapterPublished, parse_versioned, versioned_name
 from services.common.adapter_files import artifact_kind
 from services.common.errors import TransientError
 from services.sampler.registry import (
+    AdapterConflict,
     AdapterEntry,
     AdapterError,
     AdapterIntegrityError,
@@ -138,9 +139,11 @@ class AdapterStore:
         """A verified local dir for ``model_id@version`` (reused when already pulled); blocking."""
         final = self.dir_for(model_id, version)
         if (final / VERIFIED_MARKER).is_file():
-            if files_sha256 is None or self._marker(final).get("files_sha256") == files_sha256:
+            held = self._marker(final).get("files_sha256")
+            if files_sha256 is None or held is None or held == files_sha256:
                 return final
-            shutil.rmtree(final)  # announced with other hashes than what we hold: pull again
+            raise AdapterConflict(f"{model_id}@{version} is announced with other files than the ones verified "
+                                  f"here ({_differ(held, files_sha256)}): two contents under one name, refused")
         partial = final.parent / f".partial-{version}-{uuid.uuid4().hex[:8]}"
         partial.mkdir(parents=True)
         try:
@@ -175,6 +178,11 @@ class AdapterStore:
             if isinstance(meta.get("model_id"), str) and isinstance(meta.get("version"), int):
                 found.append((meta["model_id"], meta["version"], marker.parent))
         return sorted(found, key=lambda t: (t[0], t[1]))
+
+    def held_hashes(self, model_id: str, version: int) -> dict[str, str] | None:
+        """The files' hashes of ``model_id@version`` as verified in the cache, or None."""
+        final = self.dir_for(model_id, version)
+        return self._marker(final).get("files_sha256") if (final / VERIFIED_MARKER).is_file() else None
 
     @staticmethod
     def _marker(path: Path) -> dict:
@@ -226,6 +234,16 @@ class AdapterWorker:
             log.warning("ignoring %s@%d: base %r is not one of %s", msg.model_id, msg.version, msg.base_model,
                         self.accept_base_models)
             return
+        held = self.store.held_hashes(msg.model_id, msg.version)
+        if held is not None and held != dict(msg.files_sha256):
+            metrics = getattr(self.sampler, "metrics", None)
+            if metrics is not None:
+                metrics.adapter_events.labels("conflict").inc()
+            log.error("refusing %s@%d: announced with other files than the ones served here (%s)", msg.model_id,
+                      msg.version, _differ(held, dict(msg.files_sha256)))
+            raise AdapterConflict(f"{msg.model_id}@{msg.version} is announced with other files than the ones "
+                                  f"served here ({_differ(held, dict(msg.files_sha256))}): two contents under "
+                                  "one name, refused (dead-lettered with this reason)")
         reg = self.sampler.registry
         reg.announce(msg)
         newest = reg.newest_version(msg.model_id)
@@ -270,7 +288,7 @@ class AdapterWorker:
         try:
             path = await asyncio.to_thread(self.store.pull, model_id, version, msg.url if msg else None,
                                            dict(msg.files_sha256) if msg else None)
-        except AdapterIntegrityError as exc:
+        except (AdapterIntegrityError, AdapterConflict) as exc:
             log.error("refusing %s: %s", name, exc)
             raise AdapterUnavailable(f"{name}: download refused, not loaded: {exc}") from exc
         except AdapterUnavailable as exc:
@@ -292,6 +310,12 @@ class AdapterWorker:
             reg.point_alias(model_id, name)
         log.info("adapter %s ready from %s (alias %s → %s)", name, path, model_id, reg.alias_target(model_id))
         return entry
+
+
+def _differ(held: dict[str, str], announced: dict[str, str]) -> str:
+    """Which files differ, by name and short hash."""
+    names = sorted(n for n in set(held) | set(announced) if held.get(n) != announced.get(n))
+    return ", ".join(f"{n}: {str(held.get(n))[:12]} here, {str(announced.get(n))[:12]} announced" for n in names)
 
 
 __all__ = ["AdapterStore", "AdapterWorker", "Fetcher", "SamplerLike", "SourceUnreachable", "default_fetcher",

@@ -524,3 +524,19 @@ async def test_the_sampler_ignores_a_linear_router_announcement() -> None:
     worker = AdapterWorker.__new__(AdapterWorker)  # handle() must return before touching anything else
     worker.accept_base_models = ()
     await worker.handle(msg)
+
+
+async def test_an_announcement_with_other_files_under_a_held_name_is_refused_and_counted(harness, tiny):
+    """Two contents under one name (``router@1`` announced again with other files: a Redis that lost the
+    publisher's stamp, a reused broker): refused with the files that differ, counted, the first one served."""
+    from services.sampler.registry import AdapterConflict
+
+    await harness.sampler.worker.handle(announcement(tiny, 1, "a"))
+    with pytest.raises(AdapterConflict, match="adapter_model.safetensors: .* here, .* announced"):
+        await harness.sampler.worker.handle(announcement(tiny, 1, "b"))
+    metrics = (await harness.client.get("/metrics")).text
+    assert 'fanroute_sampler_adapter_events_total{event="conflict"} 1.0' in metrics
+    body = await harness.complete(model="router@1", max_tokens=4, temperature=0, logprobs=0, return_token_ids=True,
+                                  ignore_eos=True)
+    assert_matches_forward_pass(tiny, "a", body["choices"][0])  # still the content it verified first
+    assert len(harness.fetched) == 1
