@@ -109,6 +109,21 @@ class Bus:
             return
         await self.broker.stop()
 
+    def abort_producer(self) -> bool:
+        """Stop the producer's sender without flushing: after a stop that timed out (the broker is gone)
+        it would otherwise keep retrying its unacknowledged records in this process, and deliver them
+        beside a later copy of the same records. True when there was one to stop."""
+        config = getattr(self.broker, "config", None)
+        for holder in (config, getattr(config, "broker_config", None)):
+            real = getattr(getattr(getattr(holder, "producer", None), "_producer", None), "producer", None)
+            task = getattr(getattr(real, "_sender", None), "sender_task", None)
+            if task is not None:
+                task.cancel()
+                real._closed = True
+                asyncio.ensure_future(real.client.close())
+                return True
+        return False
+
     async def publish(self, spec: TopicSpec, message: Message) -> None:
         """Publish ``message`` keyed by its id and wait for acks=all; failures raise BusError."""
         topic, value, key, headers = self.record_of(spec, message)

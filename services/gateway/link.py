@@ -110,8 +110,9 @@ class KafkaLink:
             try:
                 await asyncio.wait_for(self.bus.stop(), timeout=max(timeout_s, 0.01))
             except TimeoutError:
-                log.warning("Kafka did not let the producer stop within %.1f s; stopped without it (unacknowledged "
-                            "traces are in the spool)", timeout_s)
+                aborted = self.bus.abort_producer()
+                log.warning("Kafka did not let the producer stop within %.1f s; %s (unacknowledged traces are in "
+                            "the spool)", timeout_s, "its sender aborted" if aborted else "stopped without it")
 
     def describe(self) -> dict[str, Any]:
         """For ``/healthz``."""
