@@ -191,14 +191,15 @@ class Publisher:
         lost the stamp (a restart without persistence, a FLUSHALL) ``incr`` would start again at 1 and
         name different content ``router@1``; the stamp is first raised to the newest stored version."""
         version = await self.stamps.incr(model_id)
-        newest = max(self.manifests.versions(model_id), default=0)
+        stored = set(self.manifests.versions(model_id))
+        newest = max(stored, default=0)
         if version <= newest:
             log.warning("stamp of %s was %d but v%d is stored (Redis lost it): raised to %d", model_id,
                         version - 1, newest, newest)
             self.metrics.stamps_restored.inc()
             await self.stamps.raise_to(model_id, newest)
             version = await self.stamps.incr(model_id)
-        if version in self.manifests.versions(model_id):
+        if version in stored:
             raise VersionTaken(f"{model_id} v{version} already names other content; not overwritten")
         return version
 

@@ -44,10 +44,14 @@ class KVBatch:
     def __init__(self) -> None:
         self.cache: Any = None
         self.mask_BT: Any = None  # 1 where a row has a real token, 0 for left padding
-        self.lengths: list[int] = []  # real tokens in each row's cache
 
     def __len__(self) -> int:
-        return len(self.lengths)
+        return 0 if self.mask_BT is None else int(self.mask_BT.shape[0])
+
+    @property
+    def lengths(self) -> list[int]:
+        """Real tokens in each row's cache (each row's next position)."""
+        return [] if self.mask_BT is None else self.mask_BT.sum(dim=1).tolist()
 
     @property
     def width(self) -> int:
@@ -59,7 +63,7 @@ class KVBatch:
 
         kv = cache_layers(cache)
         if self.cache is None:
-            self.cache, self.mask_BT, self.lengths = cache, torch.ones(1, length, dtype=torch.long), [length]
+            self.cache, self.mask_BT = cache, torch.ones(1, length, dtype=torch.long)
             return
         width = max(self.width, length)
         mine = cache_layers(self.cache)
@@ -69,14 +73,13 @@ class KVBatch:
         row = torch.cat([torch.zeros(width - length, dtype=torch.long), torch.ones(length, dtype=torch.long)])
         old = torch.cat([torch.zeros(len(self), width - self.width, dtype=torch.long), self.mask_BT], dim=1)
         self.mask_BT = torch.cat([old, row[None]], dim=0)
-        self.lengths.append(length)
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order); trim the columns that are padding in every kept row."""
         import torch
 
         if not rows:
-            self.cache, self.mask_BT, self.lengths = None, None, []
+            self.cache, self.mask_BT = None, None
             return
         index = torch.tensor(rows)
         mask = self.mask_BT.index_select(0, index)
@@ -84,7 +87,6 @@ class KVBatch:
         set_cache_layers(self.cache, [[t.index_select(0, index)[:, :, start:] for t in pair]
                                       for pair in cache_layers(self.cache)])
         self.mask_BT = mask[:, start:]
-        self.lengths = [self.lengths[i] for i in rows]
 
     def step_inputs(self, tokens: list[int]) -> dict[str, Any]:
         """The forward's keyword arguments to feed one token per row (cache kwarg added by the caller)."""
@@ -99,4 +101,3 @@ class KVBatch:
         import torch
 
         self.mask_BT = torch.cat([self.mask_BT, torch.ones(len(self), 1, dtype=torch.long)], dim=1)
-        self.lengths = [n + 1 for n in self.lengths]
