@@ -51,6 +51,7 @@ class TraceOutbox:
         self._inflight: dict[int, asyncio.Future[None]] = {}  # spooled seq -> its first send, still going
         self._landed: set[int] = set()  # spooled seqs whose first send was acknowledged later
         self._loose: set[asyncio.Future[None]] = set()  # first sends of traces refused a spool slot
+        self._spooling: set[bytes | None] = set()  # keys being appended: on disk, their first send not yet known
         self._wake = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
         self._stopping = False
@@ -112,12 +113,20 @@ class TraceOutbox:
             return "published", None
         why = (str(send.exception()) if send in done else
                f"Kafka did not acknowledge within publish_wait_s={self.publish_wait_s:g}s")
+        self._spooling.add(key)  # until its first send is registered the drainer must not take it
+        try:
+            return await self._spool(send, wire, value, key, headers, trace.trace_id, why)
+        finally:
+            self._spooling.discard(key)
+
+    async def _spool(self, send: asyncio.Future[None], wire: str, value: bytes, key: bytes | None,
+                     headers: dict[str, str], trace_id: str, why: str) -> tuple[TraceStatus, str]:
         try:
             rec = await asyncio.to_thread(self.spool.append, wire, value, key=key, headers=headers)
         except SpoolError as exc:
             self.metrics.traces_unpublished.inc()
             self.metrics.spool_refused.labels(exc.kind).inc()
-            log.error("trace %s neither acknowledged (%s) nor spooled: %s", trace.trace_id, why, exc)
+            log.error("trace %s neither acknowledged (%s) nor spooled: %s", trace_id, why, exc)
             if not send.done():  # it may still land; keep a reference so the send is not collected
                 self._loose.add(send)
                 send.add_done_callback(self._loose.discard)
@@ -125,12 +134,12 @@ class TraceOutbox:
                 send.exception()  # retrieved: no "never retrieved" warning
             raise
         self.metrics.traces_spooled.inc()
-        log.warning("trace %s spooled (seq %d): %s", trace.trace_id, rec.seq, why)
-        if send.done():
-            send.exception()
+        log.warning("trace %s spooled (seq %d): %s", trace_id, rec.seq, why)
+        if send.done():  # resolved while the record was written: account for it now, not on a later callback
+            self._first_send_done(rec.seq, send)
         else:
             self._inflight[rec.seq] = send
-        send.add_done_callback(lambda fut, seq=rec.seq: self._first_send_done(seq, fut))
+            send.add_done_callback(lambda fut, seq=rec.seq: self._first_send_done(seq, fut))
         self._wake.set()
         return "spooled", why
 
@@ -152,8 +161,7 @@ class TraceOutbox:
         while not self._stopping:
             self._wake.clear()
             await asyncio.to_thread(self._apply_landed)
-            batch = [r for r in self.spool.pending()
-                     if r.seq not in self._inflight and r.seq not in self._landed][:DRAIN_BATCH]
+            batch = self.drainable()[:DRAIN_BATCH]
             if not batch or not self.kafka_ready():  # nothing, only first sends still going (they wake us
                 # when they resolve), or no link to Kafka yet (it wakes us when it has one)
                 await self._woken(None)
@@ -164,6 +172,15 @@ class TraceOutbox:
                 continue
             retry += 1
             await self._woken(transient_delay(self.bus.settings, retry))
+
+    def drainable(self) -> list[SpoolRecord]:
+        """Spooled records only a re-publish can deliver, oldest first.
+
+        Not those whose first send is still going or landed, nor one the request path is still appending:
+        its record is in the spool before its first send is registered, and taking it then would publish
+        it twice (once by the re-publish, once by the late ack of the first send)."""
+        return [r for r in self.spool.pending() if r.seq not in self._inflight and r.seq not in self._landed
+                and r.key not in self._spooling]
 
     async def _woken(self, timeout_s: float | None) -> None:
         """Until something is spooled or lands (or ``timeout_s``). Not ``wait_for``: on Python 3.11 it can

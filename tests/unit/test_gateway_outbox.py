@@ -96,6 +96,33 @@ async def test_a_paused_broker_answers_spooled_in_bounded_time_and_the_late_ack_
         assert [t.trace_id for t in got] == [r.json()["trace_id"]] and gw.bus.sends == 1
 
 
+async def test_a_trace_being_spooled_is_not_drainable_until_its_first_send_is_registered(tmp_path):
+    """The record is on disk before the request path registers its first send: a drainer pass in that
+    window must not take it, or the trace is published twice (the re-publish and the first send's late ack).
+    The check runs on the event loop from inside the append, i.e. exactly in the window."""
+    async with gateway(tmp_path / "spool") as (client, gw, got):
+        loop, spool = asyncio.get_running_loop(), gw.outbox.spool
+        real_append, seen = spool.append, []
+
+        async def drainable_now() -> list[int]:
+            return [r.seq for r in gw.outbox.drainable()]
+
+        def append(*args, **kw):
+            rec = real_append(*args, **kw)
+            seen.append((rec.seq, asyncio.run_coroutine_threadsafe(drainable_now(), loop).result(timeout=5)))
+            return rec
+
+        spool.append = append
+        gw.bus.running.clear()  # the first send hangs: spooled, then lands once the broker is back
+        r = await client.post("/v1/search", json={"query": "q", "request_id": "r-window"})
+        assert r.json()["trace_status"] == "spooled"
+        [(seq, drainable)] = seen
+        assert seq not in drainable and gw.outbox.drainable() == []  # in flight after, not drainable either
+        gw.bus.running.set()
+        await eventually(lambda: gw.outbox.spool.depth == 0 and got, timeout_s=5, what="the late ack")
+        assert gw.bus.sends == 1 and [t.trace_id for t in got] == [r.json()["trace_id"]]
+
+
 async def test_a_failed_send_is_republished_from_the_spool_in_order(tmp_path):
     async with gateway(tmp_path / "spool") as (client, gw, got):
         gw.bus.down = True
