@@ -156,9 +156,50 @@ def _seed(base: int, step: int, row: int, g: int) -> int:
     return (base * 1_000_003 + step * 10_007 + row * 101 + g) % (2**31 - 1)
 
 
+def eot_ids(tokenizer: Any) -> frozenset[int]:
+    """The end-of-turn token ids: the tokenizer's eos and ChatML's ``<|im_end|>`` where it has one."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return frozenset(i for i in ids if i is not None)
+
+
+def shaped_advantages(run: OpsdRun, sampled: Sequence[Sequence[int]], sampler_lp_BC: Any, teacher_lp_BC: Any,
+                      reference_lp_BC: Any | None, mask_BC: Any, eot: frozenset[int]) -> tuple[Any, dict[str, float]]:
+    """Per-token advantages: -coef·(log p - log q_teacher), the anchor's -anchor_coef·(log p - log p_start),
+    and (``protect_eot``) no negative advantage on an end-of-turn token; with their own metrics."""
+    import torch
+
+    reverse_kl_BC = (sampler_lp_BC - teacher_lp_BC) * mask_BC
+    adv_BC = -reverse_kl_BC * run.kl_penalty_coef
+    n_tok = max(float(mask_BC.sum()), 1.0)
+    extra: dict[str, float] = {}
+    if reference_lp_BC is not None:
+        anchor_BC = (sampler_lp_BC - reference_lp_BC) * mask_BC
+        extra["kl_start"] = float(anchor_BC.sum()) / n_tok
+        if run.anchor_coef > 0:
+            adv_BC = adv_BC - anchor_BC * run.anchor_coef
+    if run.protect_eot and eot:
+        is_eot_BC = torch.zeros_like(mask_BC, dtype=torch.bool)
+        for b, toks in enumerate(sampled):
+            for c, t in enumerate(toks):
+                if t in eot:
+                    is_eot_BC[b, c] = True
+        pushed_down = is_eot_BC & (adv_BC < 0)
+        extra["eot_protected"] = float(pushed_down.sum())
+        adv_BC = torch.where(pushed_down, torch.zeros_like(adv_BC), adv_BC)
+    return adv_BC * mask_BC, {"kl": float(reverse_kl_BC.sum()) / n_tok,
+                              "kl_per_sequence": float(reverse_kl_BC.sum()) / max(len(sampled), 1)} | extra
+
+
 def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sampler: SamplerClient,
-              served: str, rows: Sequence[PromptRow], step: int, pad_id: int) -> dict[str, Any]:
-    """Sample, score with the hint, one policy-gradient step; the step's metrics (see the module docstring)."""
+              served: str, rows: Sequence[PromptRow], step: int, pad_id: int, *, reference: str | None = None,
+              eot: frozenset[int] = frozenset()) -> dict[str, Any]:
+    """Sample, score with the hint, one policy-gradient step; the step's metrics (see the module docstring).
+
+    ``reference``: the starting adapter's served name; with ``teacher=frozen`` it scores the hinted prompt,
+    and it scores the student's own prompt for the anchor (and the ``kl_start`` metric)."""
     run = s.run
     assert isinstance(run, OpsdRun)
     t0 = time.perf_counter()
@@ -168,25 +209,26 @@ def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sa
             samples.append((row, sampler.sample(served, row.student_ids, max_tokens=run.max_new_tokens,
                                                 temperature=run.temperature, seed=_seed(s.seed, step, i, g))))
     t1 = time.perf_counter()
-    teacher = sampler.score(served, [row.teacher_ids + smp.token_ids for row, smp in samples],
+    teacher_name = reference if run.teacher == "frozen" and reference is not None else served
+    teacher = sampler.score(teacher_name, [row.teacher_ids + smp.token_ids for row, smp in samples],
                             [len(row.teacher_ids) for row, _ in samples])
-    t2 = time.perf_counter()
     seqs = [row.student_ids + smp.token_ids for row, smp in samples]
     prompt_lens = [len(row.student_ids) for row, _ in samples]
+    start_lp = sampler.score(reference, seqs, prompt_lens) if reference is not None else None
+    t2 = time.perf_counter()
     model.eval()  # no dropout: the sampler computes without it, and the ratio must compare like with like
     trainer_lp_BC, entropy_BC, mask_BC = completion_logprobs(model, seqs, prompt_lens, pad_id)
     C = mask_BC.shape[1]
     sampler_lp_BC, teacher_lp_BC = padded([smp.logprobs for _, smp in samples], C), padded(teacher, C)
-    reverse_kl_BC = (sampler_lp_BC - teacher_lp_BC) * mask_BC
-    advantages_BC = -reverse_kl_BC * run.kl_penalty_coef
+    advantages_BC, kls = shaped_advantages(run, [smp.token_ids for _, smp in samples], sampler_lp_BC, teacher_lp_BC,
+                                           padded(start_lp, C) if start_lp is not None else None, mask_BC, eot)
     stepped = policy_step(model, optimizer, scheduler, run.loss, trainer_lp_BC, sampler_lp_BC, advantages_BC, mask_BC,
                           entropy_BC, clip_low=run.clip_low, clip_high=run.clip_high, max_grad_norm=s.max_grad_norm)
     t3 = time.perf_counter()
     n_tok = float(mask_BC.sum())
     scored = [score(smp.text, row.grades) for row, smp in samples]
     trained_tokens = sum(len(x) for x in seqs)
-    return stepped | {
-        "kl": float(reverse_kl_BC.sum()) / n_tok, "kl_per_sequence": float(reverse_kl_BC.sum()) / len(samples),
+    return stepped | kls | {
         "reward": sum(x[0] for x in scored) / len(scored), "top1": sum(x[1] for x in scored) / len(scored),
         "completion_tokens": n_tok / len(samples),
         "truncated_fraction": sum(smp.finish_reason == "length" for _, smp in samples) / len(samples),
@@ -197,6 +239,29 @@ def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sa
 
 
 # ----------------------------------------------------------------------------- the run
+
+REFERENCE = "reference"
+
+
+def _load_reference(s: TrainerSettings, model: Any, sampler: SamplerClient, *, fresh: bool, out: Out) -> str | None:
+    """The starting adapter on the sampler under its own name (frozen teacher, anchor), or None when neither
+    needs it. Saved once, at the run's start, so a resumed run keeps the same reference."""
+    run = s.run
+    assert isinstance(run, OpsdRun)
+    if run.teacher != "frozen" and run.anchor_coef == 0:
+        return None
+    where = s.output_dir / REFERENCE
+    if fresh or not (where / "adapter_config.json").is_file():
+        if not fresh:
+            raise ConfigError(f"{where} is missing: the run being resumed saved no starting adapter (it was started "
+                              "with teacher=live and anchor_coef=0); resume with those, or start afresh")
+        _save_adapter(model, where)
+    name = versioned_name(f"{s.publish_id}-start", 0)
+    sampler.load_adapter(name, str(where.resolve()))
+    out(f"starting adapter served as {name} ({'frozen teacher' if run.teacher == 'frozen' else 'live teacher'}"
+        f"{f', anchor {run.anchor_coef:g}' if run.anchor_coef else ''})")
+    return name
+
 
 
 def _fingerprint(s: TrainerSettings, plan: Plan) -> dict[str, Any]:
@@ -248,6 +313,8 @@ def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None 
     served, version = weights.push(model, start, {"step": float(start)})
     step_of = {version: start}
     out(f"serving step {start} as {served}")
+    reference = _load_reference(s, model, sampler, fresh=latest is None, out=out)
+    eot = eot_ids(plan.tokenizer)
     final: dict[str, Any] = {}
 
     def run_eval(step: int) -> None:
@@ -267,7 +334,8 @@ def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None 
     for step in range(start + 1, plan.steps + 1):
         t0 = time.perf_counter()
         rows = [plan.examples[i] for i in plan.batches[step - 1]]
-        rec: dict[str, Any] = opsd_step(s, model, optimizer, scheduler, sampler, served, rows, step, pad_id)  # type: ignore[arg-type]
+        rec: dict[str, Any] = opsd_step(s, model, optimizer, scheduler, sampler, served, rows, step, pad_id,  # type: ignore[arg-type]
+                                        reference=reference, eot=eot)
         if not all(math.isfinite(rec[k]) for k in ("loss", "grad_norm", "kl")):
             metrics.write({"step": step, **rec})
             raise DivergedError(f"step {step}: loss {rec['loss']} / grad norm {rec['grad_norm']} / kl {rec['kl']} "

@@ -87,6 +87,17 @@ class OpsdRun(PolicyLoss):
                             description="Orderings sampled per prompt and step (at least 2)")
     kl_penalty_coef: float = Field(default=1.0, gt=0, le=100,
                                    description="Scale of the per-token advantage -(log p_student - log q_teacher)")
+    teacher: Literal["frozen", "live"] = Field(
+        default="frozen", description="Who scores the hinted prompt: frozen = the starting adapter for the whole "
+                                      "run (a fixed target); live = the adapter being trained (the target moves "
+                                      "with the student)")
+    anchor_coef: float = Field(default=0.0, ge=0, le=100,
+                               description="KL anchor: adds -anchor_coef·(log p_student - log p_start) per token, "
+                                           "pulling the student back toward the starting adapter on its own "
+                                           "prompt (0 = off)")
+    protect_eot: bool = Field(default=True,
+                              description="Never push the end-of-turn token down: its per-token advantage is "
+                                          "clipped at 0, so the hint cannot teach answers that do not stop")
     temperature: float = Field(default=1.0, ge=0.05, le=2,
                                description="Sampling temperature (1 = the policy itself; the sampler reports raw "
                                            "logprobs, so another value samples off-policy)")

@@ -38,8 +38,31 @@ def test_reward_and_custom_hints():
     assert msgs[1]["content"] == f"HINT\nQuery: {ep.messages[1].content}"
 
 
+def test_advantages_anchor_to_the_start_and_never_push_the_end_of_turn_down():
+    import torch
+
+    from services.trainer.opsd import shaped_advantages
+
+    sampled = [[5, 7, 2], [9, 2]]  # token 2 ends the turn
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    student = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -0.1, 0.0]])
+    teacher = torch.tensor([[-1.5, -1.0, -3.0], [-0.5, -2.0, 0.0]])  # the teacher wants the turn to go on
+    start = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -0.1, 0.0]])
+    plain, m = shaped_advantages(OpsdRun(protect_eot=False), sampled, student, teacher, None, mask, frozenset({2}))
+    assert plain.flatten().tolist() == pytest.approx([-0.5, 1.0, -2.5, 0.5, -1.9, 0.0])
+    assert m["kl"] == pytest.approx((0.5 - 1.0 + 2.5 - 0.5 + 1.9) / 5) and "kl_start" not in m
+    protected, m = shaped_advantages(OpsdRun(), sampled, student, teacher, start, mask, frozenset({2}))
+    assert protected.flatten().tolist() == pytest.approx([-0.5, 1.0, 0.0, 0.5, 0.0, 0.0]) and m["eot_protected"] == 2
+    assert m["kl_start"] == pytest.approx((0.0 - 1.0 + 0.5 + 1.0 + 0.0) / 5)  # measured even with the anchor off
+    anchored, _ = shaped_advantages(OpsdRun(anchor_coef=0.5, protect_eot=False), sampled, student, teacher, start,
+                                    mask, frozenset({2}))
+    assert anchored.flatten().tolist() == pytest.approx([-0.5, 1.5, -2.75, 0.0, -1.9, 0.0])
+
+
 @pytest.mark.parametrize(("flags", "says"), [
     (["--group-size", "1"], "group_size"),
+    (["--anchor-coef", "-0.1"], "anchor_coef"),
+    (["--teacher", "moving"], "argument --teacher: invalid choice: 'moving'"),
     (["--loss", "grpo"], "argument --loss: invalid choice: 'grpo'"),
     (["--hint-mode", "custom"], "hint_mode custom needs a non-empty hint_template"),
     (["--hint-mode", "custom", "--hint-template", " "], "hint_mode custom needs a non-empty hint_template"),
@@ -135,9 +158,19 @@ async def test_opsd_steps_serve_each_adapter_and_log_the_metrics(tiny, tmp_path)
 
     eps = [episode(i, reward=1.0 if i % 5 else 0.2) for i in range(12)]
     lines: list[str] = []
+    from services.trainer.sampler_client import SamplerClient
+
+    scored_by: list[str] = []
+
+    class Recording(SamplerClient):
+        def score(self, model, sequences, starts):
+            scored_by.append(model)
+            return super().score(model, sequences, starts)
+
     async with sampler_on(tiny, tmp_path) as url:
         s = _settings(tiny, tmp_path / "run", url)
-        result = await asyncio.to_thread(train_opsd, s, episodes=eps, gate_lookup=open_gate, out=lines.append)
+        result = await asyncio.to_thread(train_opsd, s, episodes=eps, gate_lookup=open_gate, out=lines.append,
+                                         sampler=Recording(url))
         assert result.trained and result.steps == 3
         # resume: a second run from the step-2 checkpoint trains the same third step
         part = _settings(tiny, tmp_path / "part", url, max_steps=2)
@@ -157,6 +190,10 @@ async def test_opsd_steps_serve_each_adapter_and_log_the_metrics(tiny, tmp_path)
         assert r["samples"] == 4 and r["kl"] == r["kl"] and r["entropy"] > 0 and 0 <= r["reward"] <= 1
         assert r["loss/ratio_mean"] == pytest.approx(1.0, abs=1e-3)
     assert any(abs(r["kl"]) > 1e-3 for r in steps)  # the hint moves the teacher
+    # the frozen teacher: every score call (hinted prompt, then the anchor's own prompt) asks the starting adapter
+    assert set(scored_by) == {"run-start@0"} and len(scored_by) == 6
+    assert (tmp_path / "run" / "reference" / "adapter_config.json").is_file()
+    assert abs(steps[0]["kl_start"]) < 1e-4 < abs(steps[2]["kl_start"])  # step 1 samples the start itself
     evals = [r for r in _records(tmp_path / "run") if "test/ndcg" in r and "event" not in r]
     assert [r["step"] for r in evals] == [0, 2, 3]
     assert any("one pass over" in ln for ln in lines) and any(ln.startswith("step 3/3 kl") for ln in lines)
