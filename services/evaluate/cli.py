@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from services.common.files import instant
+from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.router.modes import DEFAULT_MODE, MODES
 
 EVAL_HELP = "compare a candidate router with the deployed one and the baselines on held-out fan-out traces"
@@ -51,7 +52,7 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
     p.add_argument("--router-mode", choices=MODES, default=DEFAULT_MODE,
                    help="score: one completions call scores every provider name (vLLM prompt_logprobs), and the "
                         "candidate's cost-quality curve over λ is drawn; generate: the router writes its ordering")
-    p.add_argument("--cost-weight", type=_non_negative, default=0.0,
+    p.add_argument("--cost-weight", type=_non_negative, default=DEFAULT_COST_WEIGHT,
                    help="λ of the routers' rows: choose by P(best) − λ · cost per call in USD (scoring mode)")
     p.add_argument("--max-attempts", type=int, default=2, help="providers tried per query (failover)")
     p.add_argument("--concurrency", type=int, default=1, help="router and judge calls in flight")

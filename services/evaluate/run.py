@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.trace import Trace
+from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.evaluate import policies as pol
 from services.evaluate.baseline import choose_best_single
 from services.evaluate.ceiling import per_collection
@@ -43,7 +44,7 @@ class EvalOptions(BaseModel):
     router_timeout_s: float = Field(default=2.0, gt=0, le=600)
     router_max_tokens: int = Field(default=48, ge=1, le=1024)
     router_mode: RouterMode = Field(default=DEFAULT_MODE, description="How the routers are asked")
-    cost_weight: float = Field(default=0.0, ge=0, le=1e6,
+    cost_weight: float = Field(default=DEFAULT_COST_WEIGHT, ge=0, le=1e6,
                                description="λ of the routers' rows: P(best) − λ · cost (the curve sweeps λ)")
     max_attempts: int = Field(default=2, ge=1, le=32)
     concurrency: int = Field(default=1, ge=1, le=256)

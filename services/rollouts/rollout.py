@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from schemas.rollout import CommandRun, Outcome
 from schemas.task import Task
 from services.common.reward_contract import GraderRun, apply_contract
+from services.common.rewards import TaskCostsError, cost_aware, task_costs
 from services.rollouts.forward import RelayForward
 from services.rollouts.relay_client import RelayAdmin
 from services.rollouts.sandbox import Bubblewrap, Sandbox, Workspace
@@ -139,8 +140,14 @@ async def run_rollout(settings: RolloutSettings, sandbox: Sandbox, admin: RelayA
         result = apply_contract(ws.logs / "verifier", GraderRun(vrun.exit_code, vrun.stdout, vrun.stderr,
                                                                 vrun.timed_out), v_budget, 0.0)
         outcome: Outcome = "grader_crashed" if result.source == "terminal" else "completed"
-        return done(outcome, result.reward, result.source, result.flagged, result.reason, verifier=vrun,
-                    rewards=dict(result.rewards), **common)
+        reward, rewards, flagged, reason = result.reward, dict(result.rewards), result.flagged, result.reason
+        if settings.reward == "ndcg_cost" and outcome == "completed":
+            try:
+                rewards |= cost_aware(reward, answer, task_costs(task.files), settings.cost_weight)
+                reward = rewards["ndcg_cost"]
+            except TaskCostsError as exc:  # the task's fault, not the answer's: a person should look
+                flagged, reason = True, f"ndcg_cost not computed, the verifier's reward kept: {exc}"
+        return done(outcome, reward, result.source, flagged, reason, verifier=vrun, rewards=rewards, **common)
     finally:
         if token is not None:
             with contextlib.suppress(Exception):

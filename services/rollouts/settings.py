@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from schemas.adapter import MODEL_ID_PATTERN
+from services.common.rewards import DEFAULT_COST_WEIGHT, RewardComponent
 from services.common.settings import ServiceSettings
 
 HARNESS_DIR = Path(__file__).resolve().parent / "harness"
@@ -113,6 +114,12 @@ class RolloutSettings(ServiceSettings):
                                      description="Budget of one rollout: harness and verifier together")
     command_timeout_s: float = Field(default=300.0, gt=0, le=86_400,
                                      description="Budget of one command in the sandbox (the harness, the verifier)")
+    reward: RewardComponent = Field(
+        default="ndcg", description="The reward advantages are taken from: ndcg (the verifier's), or ndcg_cost = "
+                                    "ndcg − cost_weight · cost per call of the answer's first choice")
+    cost_weight: float = Field(default=DEFAULT_COST_WEIGHT, ge=0, le=1e6,
+                               description="λ of the ndcg_cost reward, per USD (the gateway's FANROUTE_ROUTING__"
+                                           "COST_WEIGHT; set both alike to train for the trade-off it routes by)")
     terminal_rewards: TerminalRewards = Field(default_factory=TerminalRewards,
                                               description="Rewards of rollouts that never reached the verifier")
     output_limit_bytes: int = Field(default=65_536, ge=1024, le=16_777_216,

@@ -167,6 +167,60 @@ async def test_a_grader_crash_scores_zero_and_is_flagged(tmp_path):
     assert "Traceback" in run.verifier.stderr and "crashed" in run.reason
 
 
+def _priced(costs: dict[str, float]) -> Task:
+    """The test task with its recorded candidates priced per call."""
+    import json
+
+    from services.common.rewards import CANDIDATES_FILE
+
+    t = task()
+    files = dict(t.files)
+    files[CANDIDATES_FILE] = json.dumps([c | {"cost_usd": costs[c["provider"]]}
+                                         for c in json.loads(files[CANDIDATES_FILE])])
+    return Task(task_id="priced", trace_id=t.trace_id, created_at=NOW, files=files)
+
+
+@pytest.mark.parametrize(("answer", "ndcg", "chosen_cost"), [
+    ("bm25-all = eng-bm25 > dense-all > lib-bm25", 1.0, 0.001),  # a tie on top: the cheaper one is the route
+    ("eng-bm25 > bm25-all > dense-all > lib-bm25", 1.0, 0.001),
+    ("bm25-all > eng-bm25 > dense-all > lib-bm25", 1.0, 0.004),  # as good, but routed to the dearer provider
+    ("no ordering here", 0.0, 0.004),  # unparseable: charged the dearest provider, never cheaper than answering
+])
+async def test_the_cost_aware_reward_charges_the_first_choice(tmp_path, answer, ndcg, chosen_cost):
+    costs = {"bm25-all": 0.004, "eng-bm25": 0.001, "dense-all": 0.002, "lib-bm25": 0.003}
+    settings = RolloutSettings(harness=harness(tmp_path, f"echo '{answer}' > /app/answer.txt\n"),
+                               terminal_rewards=TERMINAL, admin_token="x", work_dir=tmp_path,
+                               reward="ndcg_cost", cost_weight=50.0)
+    run = await run_rollout(settings, Bubblewrap(settings.sandbox, settings.harness), FakeAdmin(), _priced(costs),
+                            "g-3-0", 0)
+    assert run.outcome == "completed" and not run.flagged
+    assert run.rewards["ndcg"] == pytest.approx(ndcg) and run.rewards["first_cost_usd"] == chosen_cost
+    assert run.reward == run.rewards["ndcg_cost"] == pytest.approx(ndcg - 50.0 * chosen_cost)
+
+
+async def test_the_cost_aware_reward_of_a_task_without_costs_is_flagged_not_guessed(tmp_path):
+    from services.common.rewards import CANDIDATES_FILE
+
+    t = task()
+    files = {k: v for k, v in t.files.items() if k != CANDIDATES_FILE}
+    bare = Task(task_id="bare", trace_id=t.trace_id, created_at=NOW, files=files)
+    settings = RolloutSettings(harness=harness(tmp_path, "echo 'bm25-all > eng-bm25' > /app/answer.txt\n"),
+                               terminal_rewards=TERMINAL, admin_token="x", work_dir=tmp_path,
+                               reward="ndcg_cost", cost_weight=50.0)
+    run = await run_rollout(settings, Bubblewrap(settings.sandbox, settings.harness), FakeAdmin(), bare, "g-4-0", 0)
+    assert run.outcome == "completed" and run.flagged and "ndcg_cost not computed" in run.reason
+    assert "ndcg_cost" not in run.rewards and run.reward == run.rewards["reward"] > 0  # the verifier's, kept
+
+
+def test_reward_settings_are_bounded():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="reward"):
+        RolloutSettings(reward="ndcg_minus_latency")
+    with pytest.raises(ValidationError, match="cost_weight"):
+        RolloutSettings(cost_weight=-1)
+
+
 async def test_output_is_capped(tmp_path):
     run = await roll(tmp_path, "head -c 200000 /dev/zero | tr '\\0' x; exit 0\n", output_limit_bytes=4096)
     assert len(run.harness.stdout) == 4096 and run.harness.truncated
