@@ -18,3 +18,9 @@ def dev_half(query_id: str) -> Half:
     """``"tune"`` or ``"validation"`` for a dev query id, half each, fixed by hash."""
     bucket = int.from_bytes(hashlib.sha256(f"{SALT}:{query_id}".encode()).digest()[:8], "big")
     return "tune" if bucket < 2**63 else "validation"
+
+
+def normalise_query(text: str) -> str:
+    """Lower-cased, whitespace-collapsed: how a query is matched across splits (held out = no training
+    episode or task has the same normalised text)."""
+    return " ".join(text.lower().split())

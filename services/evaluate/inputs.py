@@ -14,15 +14,11 @@ from schemas.trace import Trace
 from services.common.errors import FanrouteError, SchemaError
 from services.common.prompt import query_of
 from services.common.settings import KafkaSettings
+from services.common.splits import normalise_query
 
 
 class EvalInputError(FanrouteError, ValueError):
     """An eval or promote input is unusable (bad file line, unknown adapter, mismatched eval.json)."""
-
-
-def normalise_query(text: str) -> str:
-    """Lower-cased, whitespace-collapsed: how a query is matched against the training episodes."""
-    return " ".join(text.lower().split())
 
 
 def load_traces_file(path: Path) -> list[Trace]:

@@ -39,6 +39,7 @@ from services.trainer.rl_data import (
     bucket,
     load_tasks,
     pack,
+    task_query,
     reward_stats,
     split_tasks,
     steps_behind,
@@ -66,15 +67,29 @@ class RolloutsTimeout(BusError, TimeoutError):
     """The groups a batch waits for did not come back in time (is the rollout runner consuming ``tasks``?)."""
 
 
-def plan_rl(s: TrainerSettings, tasks: Sequence[Task] | None) -> Plan:
-    """Tasks, their eval split and the run's shape, without weights (``--dry-run`` prints this)."""
+def plan_rl(s: TrainerSettings, tasks: Sequence[Task] | None, eval_tasks: Sequence[Task] | None = None) -> Plan:
+    """Tasks, their eval split and the run's shape, without weights (``--dry-run`` prints this).
+
+    ``eval_tasks`` (or ``eval_tasks_dir``): the held-out tasks, given apart; otherwise a hashed split."""
     run = s.run
     assert isinstance(run, RlRun)
     if tasks is None:
         if run.tasks_dir is None:
             raise ConfigError("run kind rl needs tasks_dir (the replay tasks it feeds to the rollout runner)")
         tasks = load_tasks(run.tasks_dir, contested_only=run.contested_only, limit=run.max_tasks)
-    train, held = split_tasks(tasks, s.eval_fraction)
+    if eval_tasks is None and run.eval_tasks_dir is not None:
+        eval_tasks = load_tasks(run.eval_tasks_dir)
+    if eval_tasks is not None:
+        train, held = list(tasks), list(eval_tasks)
+        overlap = sorted(({t.trace_id for t in train} & {t.trace_id for t in held})
+                         | ({task_query(t) for t in train} & {task_query(t) for t in held}))
+        if overlap:
+            raise ConfigError(f"{len(overlap)} held-out tasks share a trace or query with a training task (first: "
+                              f"{overlap[0][:60]!r}): the eval would not be held out")
+        if not train:
+            raise ConfigError("no training task left")
+    else:
+        train, held = split_tasks(tasks, s.eval_fraction)
     base_dir = resolve_base(s.base_model, prepare=not s.dry_run)
     counts = {"tasks": len(tasks), "train_tasks": len(train), "eval_tasks": min(len(held), s.eval_max_examples),
               "groups_per_batch": run.groups_per_batch, "max_steps_off_policy": run.max_steps_off_policy,
@@ -223,10 +238,11 @@ class RlLoop:
 
 
 async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | None = None,
-                         publisher: Publisher | None = None, out: Out = _print) -> RunResult:
+                         eval_tasks: Sequence[Task] | None = None, publisher: Publisher | None = None,
+                         out: Out = _print) -> RunResult:
     """Plan, then (unless dry-run) feed tasks, take groups, step and publish (see the module docstring)."""
     s, output_dir = settings, settings.output_dir
-    plan = plan_rl(s, tasks)
+    plan = plan_rl(s, tasks, eval_tasks)
     if s.dry_run:
         out(json.dumps(plan.counts | {"config": s.model_dump(mode="json")}, indent=2, sort_keys=True, default=str))
         out("dry run: nothing trained")

@@ -24,6 +24,7 @@ from typing import Literal
 from schemas.rollout import RolloutGroup
 from schemas.task import Task, task_id_of
 from services.common.errors import ConfigError
+from services.common.splits import normalise_query
 
 EVAL_SALT = "fanroute-rl-eval"
 
@@ -51,6 +52,14 @@ def load_tasks(root: Path, *, contested_only: bool = False, limit: int | None = 
     if not tasks:
         raise ConfigError(f"no replay tasks under {root}" + (" tagged contested" if contested_only else ""))
     return tasks
+
+
+def task_query(task: Task) -> str:
+    """The task's query (the fenced block under ``## Query`` of its instruction), normalised for matching."""
+    text = task.files.get("instruction.md", "")
+    block = text.split("## Query", 1)[-1].split("## Providers", 1)[0].strip().splitlines()
+    inner = block[1:-1] if len(block) >= 2 and block[0].startswith(("```", "~~~")) else block
+    return normalise_query("\n".join(inner))
 
 
 def split_tasks(tasks: Sequence[Task], eval_fraction: float) -> tuple[list[Task], list[Task]]:

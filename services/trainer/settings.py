@@ -127,6 +127,10 @@ class RlRun(PolicyLoss):
     type: Literal["rl"] = Field(default="rl", description="Run kind")
     tasks_dir: Path | None = Field(default=None, description="Replay tasks (one directory per task, as `fanroute "
                                                              "episodes` writes them) the run feeds to the runner")
+    eval_tasks_dir: Path | None = Field(
+        default=None, description="Replay tasks of held-out queries the eval rolls out (every task of tasks_dir then "
+                                  "trains; a task whose trace or query is in both is refused). Default: a "
+                                  "hashed eval_fraction of tasks_dir")
     contested_only: bool = Field(default=False, description="Only tasks tagged contested in task.toml")
     max_tasks: int | None = Field(default=None, ge=1, le=1_000_000,
                                   description="First N tasks (sorted by id) after filtering (default: all)")

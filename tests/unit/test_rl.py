@@ -140,3 +140,25 @@ def test_a_group_published_twice_under_one_id_is_claimed_once(tasks):
     f.sent(tasks[0], at=g.started_at - timedelta(seconds=1))  # asked again (e.g. dynamic sampling)
     assert f.claim(g) == "train"
     assert f.claim(g.model_copy()) == "duplicate" and f.in_flight == 1  # the second request still waits
+
+
+def test_held_out_tasks_given_apart_are_the_eval_and_may_not_share_a_query(tasks, tmp_path):
+    from services.trainer.rl_data import task_query
+    from tests.support.tiny_model import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "base")
+    other = judged_trace("h1").model_copy(update={"query": "Lunar  REGOLITH thermal conductivity"})
+    held = [build_task(other, verdict_for("h1"), now=NOW)]
+    assert task_query(held[0]) == "lunar regolith thermal conductivity"
+    for t in held:
+        write_task(t, tmp_path / "held")
+    s = TrainerSettings(base_model=str(base), eval_fraction=0.5,
+                        run={"type": "rl", "eval_tasks_dir": tmp_path / "held"})
+    plan = plan_rl(s, tasks)
+    assert plan.counts["train_tasks"] == 4 and plan.counts["eval_tasks"] == 1  # eval_fraction is not read
+    assert plan.examples[-1].task_id == held[0].task_id
+    same_query = [build_task(judged_trace("h2"), verdict_for("h2"), now=NOW)]  # the training tasks' query
+    with pytest.raises(ConfigError, match="share a trace or query"):
+        plan_rl(s, tasks, same_query)
+    with pytest.raises(ConfigError, match="share a trace or query"):
+        plan_rl(s, tasks, tasks[:1])
