@@ -203,11 +203,20 @@ def opsd_step(s: TrainerSettings, model: Any, optimizer: Any, scheduler: Any, sa
     run = s.run
     assert isinstance(run, OpsdRun)
     t0 = time.perf_counter()
-    samples: list[tuple[PromptRow, Sample]] = []
-    for i, row in enumerate(rows):
-        for g in range(run.group_size):
-            samples.append((row, sampler.sample(served, row.student_ids, max_tokens=run.max_new_tokens,
-                                                temperature=run.temperature, seed=_seed(s.seed, step, i, g))))
+    jobs = [(row, _seed(s.seed, step, i, g)) for i, row in enumerate(rows) for g in range(run.group_size)]
+
+    def draw(job: tuple[PromptRow, int]) -> tuple[PromptRow, Sample]:
+        row, seed = job
+        return row, sampler.sample(served, row.student_ids, max_tokens=run.max_new_tokens,
+                                   temperature=run.temperature, seed=seed)
+
+    if run.sample_concurrency > 1:  # httpx.Client is thread-safe; each request keeps its own seed
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(run.sample_concurrency, len(jobs))) as pool:
+            samples = list(pool.map(draw, jobs))
+    else:
+        samples = [draw(job) for job in jobs]
     t1 = time.perf_counter()
     teacher_name = reference if run.teacher == "frozen" and reference is not None else served
     teacher = sampler.score(teacher_name, [row.teacher_ids + smp.token_ids for row, smp in samples],

@@ -102,6 +102,9 @@ class OpsdRun(PolicyLoss):
                                description="Sampling temperature (1 = the policy itself; the sampler reports raw "
                                            "logprobs, so another value samples off-policy)")
     max_new_tokens: int = Field(default=48, ge=1, le=1024, description="Most tokens per sampled ordering")
+    sample_concurrency: int = Field(default=8, ge=1, le=256,
+                                    description="Sampling requests in flight at once (the sampler decodes them as "
+                                                "one batch; 1 = one at a time, bit-reproducible)")
     sampler_timeout_s: float = Field(default=120.0, gt=0, le=3600, description="Timeout of one sampler request")
 
     @model_validator(mode="after")
