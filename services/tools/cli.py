@@ -97,6 +97,72 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          "from scripts/vllm-cpu.sh)")
     rl.set_defaults(func=_rl)
 
+    ch = sub.add_parser("chain", help="SFT → OPSD → RL from a finished demo, every stage measured on the demo's "
+                                      "held-out queries (fanroute eval) with its interval to the SFT start")
+    ch.add_argument("--demo-dir", type=Path, default=Path("out/demo"), help="a finished `make demo` output")
+    ch.add_argument("--out", type=Path, default=Path("out/chain"), help="chain.json, chain.md, chain.png, eval-*.json")
+    ch.add_argument("--stages", type=_stages, default=None,
+                    help="comma-separated, of sft,opsd,rl,opsd-rl (default: all; sft is always measured)")
+    for flag, kind, text in (("--opsd-steps", _positive_int, "OPSD steps"), ("--opsd-lr", _positive_float, "OPSD lr"),
+                             ("--opsd-anchor-coef", _non_negative_float, "OPSD KL anchor"),
+                             ("--opsd-batch-size", _positive_int, "OPSD prompts per step"),
+                             ("--rl-steps", _positive_int, "RL steps"), ("--rl-lr", _positive_float, "RL lr"),
+                             ("--rl-groups-per-batch", _positive_int, "RL groups per step"),
+                             ("--rl-eval-tasks", _positive_int, "held-out tasks per RL eval"),
+                             ("--greedy-eval-max", _positive_int, "held-out episodes of the greedy eval")):
+        ch.add_argument(flag, type=kind, default=None, help=f"{text} (default: services/tools/chain.py's)")
+    ch.add_argument("--rl-reward", choices=("ndcg", "ndcg_cost"), default=None,
+                    help="the runner's reward component (default ndcg)")
+    ch.set_defaults(func=_chain)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _stages(text: str) -> tuple[str, ...]:
+    from services.tools.chain import STAGES
+
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [n for n in names if n not in STAGES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown stage(s) {unknown or [text]}; choose from {', '.join(STAGES)}")
+    return tuple(dict.fromkeys(("sft", *names)))
+
+
+def _chain(args: argparse.Namespace) -> int:
+    from services.common.errors import FanrouteError
+    from services.tools.chain import ChainOptions, options_with, run_chain
+
+    opts = options_with(ChainOptions(demo_dir=args.demo_dir, out_dir=args.out), stages=args.stages,
+                        greedy_eval_max=args.greedy_eval_max, opsd_steps=args.opsd_steps, opsd_lr=args.opsd_lr,
+                        opsd_anchor_coef=args.opsd_anchor_coef, opsd_batch_size=args.opsd_batch_size,
+                        rl_steps=args.rl_steps, rl_lr=args.rl_lr, rl_groups_per_batch=args.rl_groups_per_batch,
+                        rl_eval_tasks=args.rl_eval_tasks, rl_reward=args.rl_reward)
+    try:
+        summary = asyncio.run(run_chain(opts))
+    except FanrouteError as exc:  # ChainInputError among them: the demo directory is not a finished demo
+        print(f"fanroute chain: {exc}", file=sys.stderr)
+        return 2
+    return 1 if summary["errors"] else 0
+
 
 def run(args: argparse.Namespace) -> int:
     """Run the parsed command (each parser names its handler)."""

@@ -29,6 +29,7 @@ from schemas import topic
 from schemas.rollout import RolloutGroup
 from schemas.task import Task
 from services.common.bus import Bus
+from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.common.settings import KafkaSettings, RedisSettings
 from services.tools.serving import free_port, served
 
@@ -48,6 +49,8 @@ class Recipe:
     lr: float = 5e-4
     max_parallel: int = 4
     resample_uniform: int = 0
+    reward: str = "ndcg"  # the runner's reward component (services/common/rewards.py)
+    cost_weight: float = DEFAULT_COST_WEIGHT
 
 
 RECIPES = {"smoke": Recipe(tasks=1, group_size=2, groups_per_batch=1, steps=1, resample_uniform=4),
@@ -99,7 +102,8 @@ async def stack(kafka: KafkaSettings, redis: RedisSettings, work: Path, base: Pa
                                  group_size=recipe.group_size, max_parallel=recipe.max_parallel,
                                  groups_per_batch=recipe.groups_per_batch, max_steps_off_policy=0,
                                  sandbox_timeout_s=300, command_timeout_s=240, work_dir=sandboxes,
-                                 harness={"max_tokens": recipe.max_tokens},
+                                 harness={"max_tokens": recipe.max_tokens}, reward=recipe.reward,
+                                 cost_weight=recipe.cost_weight,
                                  group_id=f"rollouts-rl-{(ns or 'x').rstrip('.').lower()}-{uuid.uuid4().hex[:6]}")
         running = asyncio.create_task(worker.run(runner, stop))
         try:
