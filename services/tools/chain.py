@@ -282,16 +282,26 @@ def render(rows: list[dict[str, Any]]) -> str:
         lo, hi = d["ci95"] or (None, None)
         return f"{d['mean']:+.3f} [{f(lo, '+.3f')}, {f(hi, '+.3f')}]"
 
+    def own(t: dict[str, Any] | None) -> str:
+        if not t or "test_first" not in t:
+            return "—"
+        a, b = t["test_first"], t["test_last"]
+        key = "test/ndcg" if "test/ndcg" in a else "test/reward/mean"
+        name = "nDCG" if key == "test/ndcg" else "reward"
+        return f"{name} {a.get(key, float('nan')):.3f} → {b.get(key, float('nan')):.3f} (step {b['step']})"
+
     out = ["| stage | held-out nDCG@10 (human) | Δ vs sft, 95 % CI | judge grade | Δ judge vs sft | cost / query | "
-           "parse rate | agrees with judge-oracle |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+           "parse rate | agrees with judge-oracle | its own eval, start → end |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         if r.get("baseline"):
             out.append(f"| *{r['stage']}* | {f(r['human_ndcg10'])} | | {f(r['judge'], '.2f')} | | "
-                       f"${r['cost_per_query_usd']:.5f} | | |")
+                       f"${r['cost_per_query_usd']:.5f} | | | |")
         else:
             out.append(f"| **{r['stage']}** | {f(r['human_ndcg10'])} | {ci(r.get('vs_sft_human'))} | "
                        f"{f(r['judge'], '.2f')} | {ci(r.get('vs_sft_judge'))} | ${r['cost_per_query_usd']:.5f} | "
-                       f"{f(r.get('parse_rate'), '.2f')} | {f(r.get('agree_judge_oracle'), '.0%')} |")
+                       f"{f(r.get('parse_rate'), '.2f')} | {f(r.get('agree_judge_oracle'), '.0%')} | "
+                       f"{own(r.get('trainer'))} |")
     return "\n".join(out)
 
 

@@ -73,8 +73,9 @@ def test_the_table_puts_each_stage_beside_its_interval_to_sft():
              "agree_judge_oracle": 0.7},
             {"stage": "sft→opsd", "human_ndcg10": 0.50, "judge": 1.82, "cost_per_query_usd": 0.0012,
              "vs_sft_human": {"mean": 0.01, "ci95": (-0.01, 0.03), "n": 196},
-             "vs_sft_judge": {"mean": 0.02, "ci95": None, "n": 196}, "parse_rate": 0.99, "agree_judge_oracle": 0.72},
+             "vs_sft_judge": {"mean": 0.02, "ci95": None, "n": 196}, "parse_rate": 0.99, "agree_judge_oracle": 0.72,
+             "trainer": {"test_first": {"test/ndcg": 0.88, "step": 0}, "test_last": {"test/ndcg": 0.9, "step": 24}}},
             {"stage": "linear", "human_ndcg10": 0.47, "judge": 1.7, "cost_per_query_usd": 0.0013, "baseline": True}]
     text = render(rows)
-    assert "| **sft→opsd** | 0.500 | +0.010 [-0.010, +0.030] | 1.82 | +0.020 [—, —] | $0.00120 | 0.99 | 72% |" in text
+    assert "| **sft→opsd** | 0.500 | +0.010 [-0.010, +0.030] | 1.82 | +0.020 [—, —] | $0.00120 | 0.99 | 72% | nDCG 0.880 → 0.900 (step 24) |" in text
     assert "| *linear* | 0.470 |" in text
