@@ -17,14 +17,16 @@ most of it (the pending records rewritten to a temporary file, fsynced, renamed 
 fsynced). An ``flock`` on the file keeps a second process (or a second spool in this one) from sharing it.
 
 Limits are explicit errors, never a silent drop: :class:`SpoolFull` past ``max_records`` pending records
-or ``max_bytes`` of them, :class:`SpoolUnavailable` when the directory cannot be created, the file cannot
-be opened or locked, or a write or fsync fails. The class is synchronous and thread-safe (one lock); the
+or ``max_bytes`` of them *or when the disk is full* (``ENOSPC``/``EDQUOT``, or a short write; remembered in
+:attr:`Spool.full` until a write succeeds or the file is truncated), :class:`SpoolUnavailable` when the
+directory cannot be created, the file cannot be opened or locked, or a write or fsync fails otherwise. The class is synchronous and thread-safe (one lock); the
 asyncio caller runs :meth:`append` in a worker thread.
 """
 
 from __future__ import annotations
 
 import base64
+import errno
 import fcntl
 import json
 import logging
@@ -42,6 +44,7 @@ from services.common.errors import FanrouteError
 log = logging.getLogger(__name__)
 SUFFIX = ".spool"
 _COMPACT_MIN_BYTES = 1 << 20  # below this a file with acknowledged records is left alone
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT}
 
 
 class SpoolError(FanrouteError):
@@ -127,6 +130,7 @@ class Spool:
         self.corrupt = 0  # damaged lines skipped in the middle of the file (since open)
         self.torn_tail = False  # the last line was cut off by a crash (seen at open)
         self.error: str | None = None  # why the spool is unavailable, while it is
+        self.full: str | None = None  # why the disk refused the last write, until one succeeds again
 
     # ------------------------------------------------------------------ open / close
     def open(self) -> list[SpoolRecord]:
@@ -268,8 +272,8 @@ class Spool:
         try:
             os.lseek(self._fd, self._size, os.SEEK_SET)
             written = os.write(self._fd, line)
-            if written != len(line):
-                raise OSError(0, f"short write ({written} of {len(line)} bytes)")
+            if written != len(line):  # a regular file only writes short when the disk has no more room
+                raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
             if sync:
                 self._sync()
         except OSError as exc:
@@ -278,8 +282,12 @@ class Spool:
             except OSError:
                 pass
             reason = f"cannot write spool {self.path}: {exc.strerror or exc}"
+            if exc.errno in _NO_SPACE:
+                self.full = f"disk full: {reason}"
+                raise SpoolFull(self.full) from exc
             raise SpoolUnavailable(reason) from exc
         self._size += len(line)
+        self.full = None
 
     def _sync(self) -> None:
         if self.fsync:
@@ -294,6 +302,7 @@ class Spool:
         except OSError as exc:
             raise SpoolUnavailable(f"cannot truncate spool {self.path}: {exc.strerror or exc}") from exc
         self._size = 0
+        self.full = None  # its room is free again
 
     def _compact_locked(self) -> None:
         """Rewrite only the pending records: temp file, fsync, rename over, fsync the directory."""

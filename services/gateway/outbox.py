@@ -220,9 +220,9 @@ class TraceOutbox:
         self._wake.set()
 
     def can_take_more(self) -> bool:
-        """Whether one more trace would fit in the spool (writable, under both limits)."""
+        """Whether one more trace would fit in the spool (writable, under both limits, the disk not full)."""
         s = self.spool
-        return s.available and s.depth < s.max_records and s.pending_bytes < s.max_bytes
+        return s.available and s.full is None and s.depth < s.max_records and s.pending_bytes < s.max_bytes
 
     # ------------------------------------------------------------------ reporting
     def describe(self) -> dict[str, Any]:
@@ -234,6 +234,8 @@ class TraceOutbox:
                                "publish_wait_s": self.publish_wait_s}
         if self.spool.error and not self.spool.available:
             out["error"] = self.spool.error
+        elif self.spool.full:
+            out["error"] = self.spool.full
         return out
 
 

@@ -1,7 +1,9 @@
 """Every HTTP app of fanroute built for an API-contract run, without Kafka, Redis or a real model.
 
 - :func:`gateway_app`: static providers on the in-memory bus;
-- :func:`publisher_app`: a store in ``tmp``, the in-memory bus and stamp store;
+- :func:`publisher_app`: a store in ``tmp``, the in-memory bus and stamp store, seeded once it serves
+  (:func:`seed_publisher`: two blobs, version 1 of :data:`SEED_MODEL`, promoted) so generated requests
+  that ``hooks.py`` points at the seed reach the operations behind an existing version;
 - :func:`sampler_app`: the tiny random model of :mod:`tests.support.tiny_model`;
 - :func:`relay_app`: the tiny model's tokenizer, the counting stand-in for the sampler of
   :mod:`tests.support.relay` (in process), credentials in memory with one token minted for
@@ -51,7 +53,36 @@ def publisher_app(tmp: Path) -> Any:
                                  redis=RedisSettings(url="memory://"), storage_dir=tmp / "publisher",
                                  max_blob_bytes=65_536)
     publisher = Publisher(settings, Bus(settings.kafka), MemoryStampStore())
-    return create_app(settings, publisher=publisher)
+    app = create_app(settings, publisher=publisher)
+    app.state.contract_seed = seed_publisher
+    return app
+
+
+#: What :func:`seed_publisher` stores: the model id, its one version, and the files (name → bytes).
+SEED_MODEL = "contract-router"
+SEED_VERSION = 1
+SEED_FILES = {"adapter_config.json": b'{"peft_type": "LORA", "r": 4}', "adapter_model.safetensors": b"weights"}
+
+
+def seed_sha256() -> dict[str, str]:
+    """File name → sha256 of :data:`SEED_FILES`."""
+    import hashlib
+
+    return {name: hashlib.sha256(body).hexdigest() for name, body in SEED_FILES.items()}
+
+
+def seed_publisher(url: str) -> None:
+    """Through the publisher's own API: upload the seed's blobs, publish version 1, promote it."""
+    import httpx
+
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for name, sha in seed_sha256().items():
+            client.put(f"/v1/blobs/{sha}", content=SEED_FILES[name],
+                       headers={"content-type": "application/octet-stream"}).raise_for_status()
+        r = client.post(f"/v1/adapters/{SEED_MODEL}/versions", json={"base_model": "tiny", "files": seed_sha256()})
+        r.raise_for_status()
+        assert r.json()["version"] == SEED_VERSION, r.text
+        client.post(f"/v1/adapters/{SEED_MODEL}/promote", json={"version": SEED_VERSION}).raise_for_status()
 
 
 def sampler_app(tmp: Path) -> Any:
@@ -113,15 +144,51 @@ APPS: dict[str, Callable[[Path], Any]] = {"gateway": gateway_app, "publisher": p
                                            "sampler": sampler_app, "relay": relay_app}
 
 
+def seed(app: Any, url: str) -> None:
+    """Store what ``app``'s contract run needs to find (nothing, for most apps)."""
+    seeder = getattr(app.state, "contract_seed", None)
+    if seeder is not None:
+        seeder(url)
+
+
+class StatusRecorder:
+    """ASGI wrapper counting each answered (endpoint function, status): which operations a run reached."""
+
+    def __init__(self, app: Any) -> None:
+        from collections import Counter
+
+        self.app = app
+        self.statuses: Counter[tuple[str, int]] = Counter()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def record(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                endpoint = scope.get("endpoint")  # set by the router once a route matched
+                self.statuses[(getattr(endpoint, "__name__", "?"), int(message["status"]))] += 1
+            await send(message)
+
+        await self.app(scope, receive, record)
+
+    def reached(self, endpoint: str) -> bool:
+        """Whether ``endpoint`` answered a 2xx at least once."""
+        return any(name == endpoint and 200 <= status < 300 for name, status in self.statuses)
+
+
 class ThreadServer:
-    """``app`` served by uvicorn on 127.0.0.1:<free port> in a daemon thread, lifespan on."""
+    """``app`` served by uvicorn on 127.0.0.1:<free port> in a daemon thread, lifespan on; :attr:`recorder`
+    counts the statuses each endpoint answered."""
 
     def __init__(self, app: Any, name: str) -> None:
         import uvicorn
 
         self._sock = loopback_socket()
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False,
+        self.recorder = StatusRecorder(app)
+        self._server = uvicorn.Server(uvicorn.Config(self.recorder, log_level="warning", access_log=False,
                                                      lifespan="on", timeout_graceful_shutdown=1))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name=f"contract-{name}", daemon=True)
@@ -150,6 +217,7 @@ if __name__ == "__main__":
         for name in names:
             app = APPS[name](Path(d))
             server = stack.enter_context(ThreadServer(app, name))
+            seed(app, server.url)
             headers = " ".join(f"-H '{k}: {v}'" for k, v in client_headers(app).items())
             print(f"{name} {server.url}/openapi.json {headers}".rstrip(), flush=True)
         try:

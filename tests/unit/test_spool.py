@@ -10,7 +10,7 @@ import os
 import pytest
 
 import services.common.spool as spool_mod
-from services.common.spool import Spool, SpoolFull, SpoolUnavailable, decode_line, encode_line
+from services.common.spool import Spool, SpoolError, SpoolFull, SpoolUnavailable, decode_line, encode_line
 
 
 def _put(sp: Spool, i: int, **kw):
@@ -126,13 +126,34 @@ def test_a_failed_write_leaves_no_partial_line(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(spool_mod.os, "write", half_then_enospc)
-    with pytest.raises(SpoolUnavailable, match="No space left"):
+    with pytest.raises(SpoolFull, match="disk full.*No space left"):  # a full disk is spool_full, as a limit is
         _put(sp, 1)
+    assert sp.full and sp.available  # remembered (healthz reads it) but the spool stays open
     monkeypatch.setattr(spool_mod.os, "write", real_write)
     assert sp.path.stat().st_size == size and sp.depth == 1
-    assert _put(sp, 1).seq == 2
+    assert _put(sp, 1).seq == 2 and sp.full is None  # a write that succeeds clears it
     sp.close()
     assert [r.seq for r in Spool(tmp_path, "traces").open()] == [1, 2]
+
+
+@pytest.mark.parametrize("failure", ["short", "eio"])
+def test_a_short_write_is_a_full_disk_and_another_write_error_is_unavailable(tmp_path, monkeypatch, failure):
+    sp = Spool(tmp_path, "traces")
+    sp.open()
+    real_write = os.write
+
+    def failing(fd, data):
+        if failure == "short":
+            return real_write(fd, data[:3])
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(spool_mod.os, "write", failing)
+    with pytest.raises(SpoolError) as info:
+        _put(sp, 0)
+    assert info.value.kind == ("spool_full" if failure == "short" else "spool_unavailable")
+    assert (sp.full is not None) == (failure == "short")
+    monkeypatch.setattr(spool_mod.os, "write", real_write)
+    assert sp.path.stat().st_size == 0 and sp.depth == 0  # nothing half-written left behind
 
 
 def test_one_spool_file_one_owner(tmp_path):
