@@ -90,3 +90,69 @@ async def test_a_runner_killed_mid_group_loses_no_group(kafka_bootstrap, redis_u
 
 async def _ledger_size(client: aioredis.Redis, key: str, want: int) -> bool:
     return await client.hlen(key) == want
+
+
+async def test_a_runner_killed_between_publishing_a_group_and_marking_it_done(kafka_bootstrap, tmp_path, request):
+    """The window the ledger cannot close: the group is on the topic, its ledger entry is not yet marked done
+    (the runner's Redis is stopped right then), the runner is killed. On restart it runs the record again; the
+    second group carries the first one's id (derived from the record), so the trainer's feeder drops it,
+    counted: the row's consumer is the trainer, which sees one group per task."""
+    from datetime import UTC, datetime, timedelta
+
+    from services.trainer.rl_data import Feeder
+    from tests.support.redis_server import RedisServer
+
+    ns = f"fw{uuid.uuid4().hex[:8]}."
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns)
+    base = build_tiny_model(tmp_path / "base")
+    gated = harness(tmp_path, "gated", 'while [ ! -e /harness/open ]; do sleep 0.1; done\n'
+                                       'echo "bm25-all = eng-bm25 > dense-all > lib-bm25" > /app/answer.txt\n')
+    task = build_task(judged_trace("t-window"), verdict_for("t-window"), now=NOW)
+    sent_at = datetime.now(UTC) - timedelta(minutes=5)
+    group_id = f"rollouts-{ns}".rstrip(".").lower()
+    work = Path(tempfile.mkdtemp(prefix="fw-", dir="/tmp"))
+    # the relay keeps its credentials in memory: only the runner's ledger loses its Redis
+    relay = relay_settings(base, kafka=kafka, sampler_url="http://127.0.0.1:9", admin_token=ADMIN,
+                           adapter_model_id="router")
+    try:
+        with RedisServer(tmp_path / "redis") as redis_server:
+            ledger_key = f"{ns}rollouts:ledger:{group_id}:pending"
+            client = aioredis.Redis.from_url(redis_server.url)
+            async with relay_served(relay) as (url, _):
+                env = service_env(kafka, redis_server.url, FANROUTE_RELAY_URL=url, FANROUTE_ADMIN_TOKEN=ADMIN,
+                                  FANROUTE_GROUP_ID=group_id, FANROUTE_GROUP_SIZE="2", FANROUTE_WORK_DIR=str(work),
+                                  FANROUTE_HARNESS__NAME="scripted", FANROUTE_HARNESS__DIRECTORY=str(gated),
+                                  FANROUTE_HARNESS__COMMAND=json.dumps(["bash", "/harness/h.sh"]),
+                                  FANROUTE_SANDBOX_TIMEOUT_S="300", FANROUTE_COMMAND_TIMEOUT_S="300")
+                with running("-m", "services.rollouts", env=env, crash=True):
+                    await publish_once(kafka, topic("tasks"), task, client_id="test")
+                    await eventually(lambda: _ledger_size(client, ledger_key, 1), timeout_s=120,
+                                     what="the runner accepting the task (its ledger)")
+                    await client.aclose()
+                    redis_server.stop()  # clean stop: the accepted entry is in the append-only file
+                    (gated / "open").touch()  # the group finishes, is published, and cannot be marked done
+                    await wait_for_records(kafka, "rollouts", RolloutGroup, 1, timeout_s=180,
+                                           what="the group published while the ledger's Redis is down")
+                first = await topic_records(kafka, "rollouts", RolloutGroup)
+                redis_server.start()  # back, with the entry still pending
+                client = aioredis.Redis.from_url(redis_server.url)
+                assert await client.hlen(ledger_key) == 1
+                with running("-m", "services.rollouts", env=env):
+                    await wait_for_records(kafka, "rollouts", RolloutGroup, 2, timeout_s=180,
+                                           what="the record run again after the restart")
+                    await eventually(lambda: _ledger_size(client, ledger_key, 0), timeout_s=60,
+                                     what="the ledger emptied once the second group is out")
+                groups = await topic_records(kafka, "rollouts", RolloutGroup)
+                await client.aclose()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    feeder = Feeder("router", [task])
+    feeder.sent(task, at=sent_at)
+    kinds = [feeder.claim(g) for g in groups]
+    accepted = [g.task_id for g, kind in zip(groups, kinds, strict=True) if kind == "train"]
+    exactly_once("kill -9 between publishing a group and marking it done (the runner's Redis stopped in "
+                 "that window), restart", "rollout runner → trainer feeder", test_id(request), records_in=1,
+                 expected={task.task_id}, results=accepted, groups_on_topic=len(groups),
+                 dropped_duplicates=kinds.count("duplicate"))
+    assert len(first) == 1 and len(groups) == 2 and len({g.group_id for g in groups}) == 1  # the window was hit
+    assert kinds == ["train", "duplicate"]
