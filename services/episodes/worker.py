@@ -173,6 +173,8 @@ async def run(settings: EpisodeSettings, stop: asyncio.Event | None = None) -> N
     if settings.kafka.ensure_topics and not bus.in_memory:
         await ensure_topics(settings.kafka, [(bus.name(s), s) for s in specs])
     found = await builder.reconcile(settings.kafka)  # before consuming (see EpisodeBuilder)
+    builder.done.rebuild = lambda: builder.reconcile(settings.kafka)  # marks gone (FLUSHALL): rebuilt first
+    await builder.done.arm()
     if settings.metrics_port:
         start_http_server(settings.metrics_port, registry=builder.metrics.registry)
     await bus.start()

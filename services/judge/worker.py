@@ -164,6 +164,8 @@ async def run(settings: JudgeSettings, stop: asyncio.Event | None = None) -> Non
     if settings.kafka.ensure_topics:
         await ensure_topics(settings.kafka, [(bus.name(s), s) for s in (topic("traces"), topic("verdicts"))])
     found = await worker.reconcile(settings.kafka)  # before consuming: see JudgeWorker.reconcile
+    worker.store.rebuild = lambda: worker.reconcile(settings.kafka)  # marks gone (FLUSHALL): rebuilt first
+    await worker.store.arm()
     await bus.start()
     log.info("reconciled %d verdicts already on the topic", found)
     log.info("judge %s (%s) consuming traces as group %s.%s", backend.identity.model,

@@ -33,6 +33,7 @@ async def group_caught_up(kafka: KafkaSettings, group: str, name: str = "traces"
     """Whether consumer group ``group`` has committed the end of every partition of topic ``name``."""
     from aiokafka import AIOKafkaConsumer
     from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import GroupCoordinatorNotAvailableError
 
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers)
     probe = AIOKafkaConsumer(wire_name(kafka, topic(name)), bootstrap_servers=kafka.bootstrap_servers,
@@ -41,7 +42,10 @@ async def group_caught_up(kafka: KafkaSettings, group: str, name: str = "traces"
     await probe.start()
     try:
         ends = await probe.end_offsets(list(probe.assignment()))
-        done = await admin.list_consumer_group_offsets(group)
+        try:
+            done = await admin.list_consumer_group_offsets(group)
+        except GroupCoordinatorNotAvailableError:  # the group has not joined yet: it has committed nothing
+            return False
         return all(done.get(tp) is not None and done[tp].offset >= end for tp, end in ends.items())
     finally:
         await probe.stop()

@@ -30,6 +30,14 @@ class FlakyRedis:
         self._call()
         return int(key in self.keys)
 
+    async def get(self, key: str) -> bytes | None:
+        self._call()
+        return b"1" if key in self.keys else None
+
+    async def mget(self, *keys: str) -> list[bytes | None]:
+        self._call()
+        return [b"1" if k in self.keys else None for k in keys]
+
     async def aclose(self) -> None:
         pass
 
