@@ -58,6 +58,10 @@ class Call(Message):
                     "sent that call's reply back unchanged (None: rendered afresh)")
     adapter: str | None = Field(default=None, max_length=256,
                                 description="The adapter version that sampled (``router@3``); None = the base")
+    adapter_sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="Content digest of that adapter, as the sampler named it (None: the base, or a sampler "
+                    "that names none, e.g. vLLM)")
     sampler_model: str = Field(min_length=1, max_length=512, description="The model name sent to the sampler")
     renderer: str = Field(min_length=1, max_length=64, description="The renderer that made the prompt ids")
     wire: Literal["openai", "anthropic"] = Field(description="Which API the harness spoke")

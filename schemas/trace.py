@@ -65,6 +65,10 @@ class Route(Message):
 
     schema_version: Literal[1] = 1
     router: str | None = Field(default=None, description="Served adapter name (``router@3``); None without one")
+    router_sha256: str | None = Field(
+        default=None, pattern=r"^[0-9a-f]{64}$",
+        description="Content digest of the adapter that answered, as the sampler named it (None: no adapter, a "
+                    "server that names none, e.g. vLLM, or a linear router)")
     ordering: tuple[str, ...] = Field(default=(), description="The router's ordering, best first (empty on fallback)")
     called: tuple[str, ...] = Field(min_length=1, description="Providers called, in order (failover adds the next)")
     fallback: RouteFallback | None = Field(default=None,

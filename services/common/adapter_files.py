@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from services.common.errors import FanrouteError
@@ -32,6 +32,9 @@ ADAPTER_FILES = REQUIRED_FILES | frozenset({
 LINEAR_ARTIFACT = "linear_router.json"
 LINEAR_FILES = frozenset({LINEAR_ARTIFACT, "README.md"})
 CHUNK = 1 << 20
+#: The response header in which a sampler names the content (:func:`content_digest`) of the adapter that
+#: answered; the gateway records it on routed traces, the relay on calls. vLLM sends none (then: None).
+ADAPTER_SHA256_HEADER = "x-fanroute-adapter-sha256"
 
 
 def artifact_kind(files: Iterable[str]) -> str:
@@ -56,6 +59,20 @@ class HashMismatch(AdapterFilesError):
     """Bytes whose sha256 is not the one they were announced with."""
 
     error = "hash_mismatch"
+
+
+def content_digest(files_sha256: Mapping[str, str]) -> str:
+    """What an adapter *is*: the sha256 over its config's and weights' hashes (``name=sha`` lines, sorted).
+
+    A card or tokenizer beside them changes nothing served, so they are left out: a manifest's digest
+    (from its ``files_sha256``) equals the digest of the directory a sampler loaded it from."""
+    lines = "".join(f"{name}={files_sha256[name]}\n" for name in sorted(REQUIRED_FILES & files_sha256.keys()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def dir_digest(path: Path) -> str:
+    """:func:`content_digest` of the adapter files in directory ``path``, hashed from disk."""
+    return content_digest({name: sha256_file(path / name) for name in REQUIRED_FILES if (path / name).is_file()})
 
 
 def sha256_file(path: Path) -> str:

@@ -124,6 +124,7 @@ class RoutedMode:
             ordering = answer.ordering if answer is not None else ()
         candidates = await self._call_in_order(call_order(ordering, self.names, fallback), query, deadline_at)
         route = Route(router=promoted.router if promoted else None, ordering=ordering,
+                      router_sha256=answer.adapter_sha256 if answer is not None else None,
                       called=tuple(c.provider for c in candidates), fallback=reason,
                       fallback_provider=fallback if reason else None, router_ms=router_ms, raw=raw[:RAW_LIMIT],
                       scores=scores or {}, cost_weight=self.routing.cost_weight if scores is not None else None)

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from services.common.adapter_files import ADAPTER_SHA256_HEADER
 from services.relay.conversation import BadRequest, Sampling
 
 
@@ -32,6 +33,7 @@ class Sampled:
     finish_reason: str
     stop_reason: str | int | None
     top_logprobs: list[dict[str, float]] | None
+    adapter_sha256: str | None = None  # the adapter content the sampler named (None: the base, or vLLM)
 
 
 def completion_body(model: str, prompt_ids: list[int], s: Sampling) -> dict[str, Any]:
@@ -101,4 +103,5 @@ class SamplerClient:
                                   "(does it support return_token_ids?)")
         return Sampled(token_ids=ids, logprobs=logprobs, text=choice.get("text") or "",
                        finish_reason=choice.get("finish_reason") or "length", stop_reason=choice.get("stop_reason"),
-                       top_logprobs=lp.get("top_logprobs") if s.top_logprobs is not None else None)
+                       top_logprobs=lp.get("top_logprobs") if s.top_logprobs is not None else None,
+                       adapter_sha256=r.headers.get(ADAPTER_SHA256_HEADER))

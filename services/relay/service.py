@@ -160,7 +160,8 @@ class Relay:
                     disposition="housekeeping" if reason else disposition(prompt_ids, previous),  # type: ignore[arg-type]
                     housekeeping=reason is not None, housekeeping_reason=reason, prompt_ids=tuple(prompt_ids),
                     sampled_ids=tuple(sampled.token_ids), sampled_logprobs=tuple(sampled.logprobs),
-                    spliced_from=spliced, adapter=adapter, sampler_model=model, renderer=self.renderer.name,
+                    spliced_from=spliced, adapter=adapter, adapter_sha256=sampled.adapter_sha256,
+                    sampler_model=model, renderer=self.renderer.name,
                     wire=req.wire, stream=req.stream, text=sampled.text, finish_reason=reply.finish_reason,
                     stop_reason=sampled.stop_reason, request=req.raw, started_at=started,
                     timings=CallTimings(render_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,

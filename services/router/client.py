@@ -14,6 +14,8 @@ this can fail is a :class:`RouterError` with a ``kind`` the gateway counts its f
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import dataclasses
 import json
 import math
 import time
@@ -24,6 +26,7 @@ from typing import Any
 
 import aiohttp
 
+from services.common.adapter_files import ADAPTER_SHA256_HEADER
 from services.common.errors import FanrouteError
 from services.common.prompt import router_messages
 from services.router.modes import MODES, RouterMode
@@ -82,6 +85,7 @@ class RouterAnswer:
     raw: str
     latency_ms: float
     scores: dict[str, float] | None = None
+    adapter_sha256: str | None = None  # the content the server says answered (its header; None from vLLM)
 
     @property
     def ordering(self) -> tuple[str, ...]:
@@ -92,6 +96,10 @@ def chat_request(model: str, providers: Sequence[str], query: str, max_tokens: i
     """The chat-completions body: the training conversation's system and user turns, greedy."""
     return {"model": model, "max_tokens": max_tokens, "temperature": 0.0,
             "messages": router_messages(providers, query)}
+
+
+#: The adapter content the current :meth:`RouterClient.route` call's answers named (one per task).
+_ANSWERED_BY: contextvars.ContextVar[str | None] = contextvars.ContextVar("router_answered_by", default=None)
 
 
 class RouterClient:
@@ -139,7 +147,18 @@ class RouterClient:
 
     async def route(self, model: str, providers: Sequence[str], query: str, *,
                     timeout_s: float | None = None) -> RouterAnswer:
-        """The ordering ``model`` gives ``query``; :class:`RouterError` (or a subclass) when there is none."""
+        """The ordering ``model`` gives ``query``; :class:`RouterError` (or a subclass) when there is none.
+
+        ``adapter_sha256`` is what the server's last answer to this call named as the adapter's content."""
+        token = _ANSWERED_BY.set(None)
+        try:
+            answer = await self._route(model, providers, query, timeout_s)
+            return dataclasses.replace(answer, adapter_sha256=_ANSWERED_BY.get())
+        finally:
+            _ANSWERED_BY.reset(token)
+
+    async def _route(self, model: str, providers: Sequence[str], query: str,
+                     timeout_s: float | None) -> RouterAnswer:
         await self.start()
         assert self._session is not None
         budget = self.timeout_s if timeout_s is None else timeout_s
@@ -173,7 +192,10 @@ class RouterClient:
         assert self._session is not None
         try:
             async with self._session.post(f"{self.base_url}{path}", json=payload) as r:
-                return r.status, await r.read()
+                body = await r.read()
+                if r.status == 200 and ADAPTER_SHA256_HEADER in r.headers:
+                    _ANSWERED_BY.set(r.headers[ADAPTER_SHA256_HEADER])
+                return r.status, body
         except aiohttp.ClientError as exc:
             raise RouterError(f"router {model} unreachable at {self.base_url}: {type(exc).__name__}: {exc}") from exc
 

@@ -20,6 +20,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from services.common.adapter_files import ADAPTER_SHA256_HEADER
 from services.common.http import BodyLimit, lifespan_of
 from services.common.openapi import PROMETHEUS, errors, install_contract, prometheus
 from services.sampler.registry import AdapterError
@@ -100,15 +101,23 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
     async def list_models() -> dict[str, Any]:
         return model_cards(s)
 
+    def name_content(response: Response, model: str | None) -> None:
+        """Say which adapter content answered (the header :data:`ADAPTER_SHA256_HEADER`; none for the base)."""
+        entry = s.registry.resolve(model) if model else None
+        if entry is not None:
+            response.headers[ADAPTER_SHA256_HEADER] = entry.sha256
+
     @app.post("/v1/completions", responses=errors(_GENERATE_ERRORS))
-    async def completions(req: CompletionRequest) -> dict[str, Any]:
+    async def completions(req: CompletionRequest, response: Response) -> dict[str, Any]:
         body = await create_completion(s, req)
+        name_content(response, req.model)
         s.metrics.requests.labels("/v1/completions", "200").inc()
         return body
 
     @app.post("/v1/chat/completions", responses=errors(_GENERATE_ERRORS))
-    async def chat_completions(req: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat_completions(req: ChatCompletionRequest, response: Response) -> dict[str, Any]:
         body = await create_chat_completion(s, req)
+        name_content(response, req.model)
         s.metrics.requests.labels("/v1/chat/completions", "200").inc()
         return body
 

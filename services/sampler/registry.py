@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from schemas.adapter import AdapterPublished
-from services.common.adapter_files import sha256_file
+from services.common.adapter_files import dir_digest, sha256_file
 from services.common.errors import FanrouteError
 
 WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -46,6 +46,14 @@ class AdapterEntry:
     version: int | None = None
     rank: int | None = None
     slot: str | None = None  # the engine's peft slot while resident
+    _sha256: str | None = field(default=None, repr=False)
+
+    @property
+    def sha256(self) -> str:
+        """The content digest of what is served under this name (hashed from its directory once)."""
+        if self._sha256 is None:
+            self._sha256 = dir_digest(self.path)
+        return self._sha256
 
 
 class AdapterRegistry:

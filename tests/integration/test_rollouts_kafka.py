@@ -27,6 +27,7 @@ from services.sampler.settings import SamplerSettings
 from tests.support.records import NOW, judged_trace, verdict_for
 from tests.support.relay import relay_served
 from tests.support.serving import free_port, served
+from services.common.adapter_files import dir_digest
 from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 from tests.support.topics import wait_for_records
 
@@ -81,6 +82,7 @@ async def test_a_task_becomes_a_group_of_rollouts_with_calls_datums_and_rewards(
         assert [c.call_index for c in ro.calls] == [0] and ro.calls[0].trace_id == ro.trace_id
         call = ro.calls[0]
         assert call.adapter == "router@1" and call.wire == "openai" and call.request["max_tokens"] == 48
+        assert call.adapter_sha256 == dir_digest(lora)  # the content that sampled, as the sampler named it
         assert call.request["messages"][0]["content"].startswith("You route search queries")
         assert call.text and f"model replied {call.text!r}" in ro.harness.stdout  # the reply it wrote from
         assert ro.dispositions == {"new_segment:first": 1} and ro.segments == 1 and len(ro.datums) == 1

@@ -128,6 +128,22 @@ async def test_router_top_provider_alone_answers(make, router):
     assert await rt.metric("fanroute_gateway_router_seconds_count 1.0")
 
 
+async def test_the_routed_trace_records_the_adapter_content_the_router_named(make, router):
+    from dataclasses import replace
+
+    from services.common.adapter_files import ADAPTER_SHA256_HEADER
+
+    rt = await make()
+    await rt.promote(1)
+    digest = "ab" * 32
+    router.script(CHAT, replace(chat_completion("b > a > c"), headers={ADAPTER_SHA256_HEADER: digest}),
+                  chat_completion("a > b > c"))  # a server that names nothing (vLLM)
+    named = await rt.search(query_id="med/1", request_id="named")
+    unnamed = await rt.search(query_id="med/2", request_id="unnamed")
+    assert named["route"]["router_sha256"] == digest and unnamed["route"]["router_sha256"] is None
+    assert [t.route.router_sha256 for t in rt.traces] == [digest, None]
+
+
 async def test_the_slice_fans_out_by_request_id_and_the_rest_is_routed(make, router):
     rt = await make(fanout_fraction=0.3)
     await rt.promote(2)

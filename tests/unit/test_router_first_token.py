@@ -130,6 +130,8 @@ async def test_first_token_equals_the_k_prompt_path_on_the_tiny_model(served_tin
                 offset = want.scores["a"] - got.scores["a"]  # the K-prompt path's scores share a constant
                 assert {n: v + offset for n, v in got.scores.items()} == pytest.approx(want.scores, abs=2e-4)
         assert set(first._groups) == {("router@1", SINGLE), ("router@1", SHARED)}
+        # every answer names the content that gave it: the same adapter on both paths
+        assert got.adapter_sha256 == want.adapter_sha256 and len(got.adapter_sha256 or "") == 64
         assert first._groups[("router@1", SHARED)][next(t for t, n in first._groups[("router@1", SHARED)].items()
                                                         if len(n) == 2)] == ("dense-all", "dense-bio")
 

@@ -540,3 +540,23 @@ async def test_an_announcement_with_other_files_under_a_held_name_is_refused_and
                                   ignore_eos=True)
     assert_matches_forward_pass(tiny, "a", body["choices"][0])  # still the content it verified first
     assert len(harness.fetched) == 1
+
+
+async def test_every_answer_names_the_adapter_content_that_gave_it(harness, tiny):
+    """The header is the digest of what is loaded under the name (the manifest's digest for a published
+    version, through an alias too); the base answers without one."""
+    from services.common.adapter_files import ADAPTER_SHA256_HEADER, content_digest, dir_digest
+
+    assert (await harness.load("lora-a", tiny["a"])).status_code == 200
+    await harness.sampler.worker.handle(announcement(tiny, 2, "b"))
+    named = {}
+    for model in ("lora-a", "router", "router@2", BASE):
+        r = await harness.client.post("/v1/completions", json={"prompt": PROMPT, "model": model, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        named[model] = r.headers.get(ADAPTER_SHA256_HEADER)
+    assert named["lora-a"] == dir_digest(tiny["a"])
+    assert named["router"] == named["router@2"] == content_digest(announcement(tiny, 2, "b").files_sha256)
+    assert named["router@2"] != named["lora-a"] and named[BASE] is None
+    chat = await harness.client.post("/v1/chat/completions", json={
+        "model": "lora-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.headers[ADAPTER_SHA256_HEADER] == named["lora-a"]
