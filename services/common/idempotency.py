@@ -13,7 +13,8 @@ Redis that *forgets* (``FLUSHALL``, a restart without persistence) would let a r
 again. A consumer that hands the store its ``reconcile`` as :attr:`KeyStore.rebuild` and calls
 :meth:`KeyStore.arm` after its start-up reconcile is protected: the store keeps an ``intact`` key beside
 the marks, read in the same round trip as each mark; when it is gone the marks are rebuilt from the
-output topic (once, under a lock) before the answer is given (``tests/integration/test_fault_redis_flush.py``).
+output topic (once, under a lock) before the answer is given
+(``tests/integration/test_fault_redis_flush_consumers.py``).
 """
 
 from __future__ import annotations

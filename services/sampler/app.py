@@ -14,6 +14,7 @@ adapters) in :mod:`services.sampler.serving`, and the response bodies in
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -101,23 +102,25 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
     async def list_models() -> dict[str, Any]:
         return model_cards(s)
 
-    def name_content(response: Response, model: str | None) -> None:
-        """Say which adapter content answered (the header :data:`ADAPTER_SHA256_HEADER`; none for the base)."""
+    async def name_content(response: Response, model: str | None) -> None:
+        """Say which adapter content answered (the header :data:`ADAPTER_SHA256_HEADER`; none for the base).
+        The first answer of an adapter hashes its files in a thread, off the event loop; later ones reuse it."""
         entry = s.registry.resolve(model) if model else None
         if entry is not None:
-            response.headers[ADAPTER_SHA256_HEADER] = entry.sha256
+            digest = entry.sha256 if entry.hashed else await asyncio.to_thread(lambda: entry.sha256)
+            response.headers[ADAPTER_SHA256_HEADER] = digest
 
     @app.post("/v1/completions", responses=errors(_GENERATE_ERRORS))
     async def completions(req: CompletionRequest, response: Response) -> dict[str, Any]:
         body = await create_completion(s, req)
-        name_content(response, req.model)
+        await name_content(response, req.model)
         s.metrics.requests.labels("/v1/completions", "200").inc()
         return body
 
     @app.post("/v1/chat/completions", responses=errors(_GENERATE_ERRORS))
     async def chat_completions(req: ChatCompletionRequest, response: Response) -> dict[str, Any]:
         body = await create_chat_completion(s, req)
-        name_content(response, req.model)
+        await name_content(response, req.model)
         s.metrics.requests.labels("/v1/chat/completions", "200").inc()
         return body
 

@@ -49,6 +49,11 @@ class AdapterEntry:
     _sha256: str | None = field(default=None, repr=False)
 
     @property
+    def hashed(self) -> bool:
+        """Whether :attr:`sha256` is known without reading the files."""
+        return self._sha256 is not None
+
+    @property
     def sha256(self) -> str:
         """The content digest of what is served under this name (hashed from its directory once)."""
         if self._sha256 is None:
