@@ -64,3 +64,13 @@ class ServiceSettings(BaseSettings):
 def secret_value(secret: SecretStr | None) -> str | None:
     """The secret's text, or None when it is unset or empty (an API key that is not there)."""
     return (secret.get_secret_value() if secret is not None else "") or None
+
+
+def connection_env(settings: ServiceSettings) -> dict[str, str]:
+    """``FANROUTE_KAFKA__*`` and ``FANROUTE_REDIS__*`` naming ``settings``' connections, for a child process
+    (a service started by a composing command reads them as its own environment)."""
+    env: dict[str, str] = {}
+    for name in ("kafka", "redis"):
+        for key, value in getattr(settings, name).model_dump(mode="json").items():
+            env[f"FANROUTE_{name.upper()}__{key.upper()}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return env

@@ -22,6 +22,8 @@ from tqdm import tqdm
 from schemas.trace import Trace
 from services.common.settings import KafkaSettings
 from services.providers.collections import default_collections_dir, sample_queries
+from services.tools.memory import MemoryWatch
+from services.tools.memory import render as render_memory
 from services.tools.replay import replay
 from services.tools.report import render, score_traces, write_report
 from services.tools.serving import free_port, served
@@ -67,11 +69,16 @@ async def run_demo(opts: DemoOptions) -> int:
     log_file = opts.out_dir / "demo.log"
     with steps.logged_to(log_file):
         print(f"fanroute demo: doctor ok; full log in {log_file}", flush=True)
+        watch = MemoryWatch()
         try:
-            return await _run_demo(opts)
+            with watch:
+                return await _run_demo(opts)
         except Exception as exc:  # noqa: BLE001 - one actionable line; the traceback is in the log file
             print(steps.failure_line(exc, log_file), file=sys.stderr, flush=True)
             return 1
+        finally:
+            jpath, ppath = watch.write(opts.out_dir)
+            print(render_memory(watch.summary()) + f"\n  ({jpath}" + (f", {ppath})" if ppath else ")"), flush=True)
 
 
 async def _run_demo(opts: DemoOptions) -> int:

@@ -103,7 +103,7 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
                            f"episodes (CPU, {passes}, target: the judge's cost-aware first choice), then "
                            f"publishing it to {publisher_url}")
         result = await asyncio.to_thread(_train, kafka, redis, data.train_file, publisher_url, out_dir, opts)
-        candidate = f"{MODEL_ID}@{result.published['version']}"
+        candidate = f"{MODEL_ID}@{result['published']['version']}"
         samp = SamplerSettings(kafka=kafka, redis=redis, port=sport, publisher_url=publisher_url,
                                adapter_cache_dir=out_dir / "sampler-cache", group_id=f"demo-sampler-{sport}")
         async with served(sampler_app(samp), sport, what="sampler") as sampler_url:
@@ -129,10 +129,11 @@ def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publish
            opts: LoopOptions):
     """``opts.passes`` chained one-pass SFT runs (progress lines from the trainer), each starting from the
     previous run's adapter with a new data order, as the continual schedule chains them; only the last
-    publishes. The trainer checks the judge's calibration gate on Kafka itself; only a closed gate makes
-    the demo pass ``allow_uncalibrated`` (recorded by the run)."""
+    publishes; each is ``python -m services.trainer`` in its own process, so what it held is given back
+    before the sampler loads. The trainer checks the judge's calibration gate on Kafka itself; only a closed
+    gate makes the demo pass ``allow_uncalibrated`` (recorded by the run). Returns the last run's summary."""
+    from services.trainer import launch
     from services.trainer.settings import TrainerSettings
-    from services.trainer.train import train
 
     if opts.allow_uncalibrated:
         print("      the judge's calibration gate is CLOSED: training with allow_uncalibrated (recorded)", flush=True)
@@ -148,8 +149,8 @@ def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publish
                                    eval_every=0, eval_max_examples=40, checkpoint_every=0,
                                    publisher_url=publisher_url if last else None, model_id=MODEL_ID)
         shutil.rmtree(settings.output_dir, ignore_errors=True)
-        result = train(settings)
-        init = result.adapter_dir
+        result = launch.train_in_process(settings)  # its own process: its memory is given back when it ends
+        init = Path(result["adapter_dir"])
     return result
 
 

@@ -92,7 +92,7 @@ def test_demo_refuses_bad_arguments(capsys):
 
 
 def test_chained_passes_start_each_run_from_the_previous_adapter_and_only_the_last_publishes(monkeypatch, tmp_path):
-    import services.trainer.train as trainer
+    import services.trainer.launch as launch
     from services.common.settings import KafkaSettings, RedisSettings
     from services.tools.demo_loop import LoopOptions, _train
 
@@ -100,15 +100,15 @@ def test_chained_passes_start_each_run_from_the_previous_adapter_and_only_the_la
 
     def fake_train(settings):
         runs.append(settings)
-        return SimpleNamespace(adapter_dir=settings.output_dir / "adapter")
+        return {"adapter_dir": str(settings.output_dir / "adapter"), "published": None}
 
-    monkeypatch.setattr(trainer, "train", fake_train)
+    monkeypatch.setattr(launch, "train_in_process", fake_train)
     result = _train(KafkaSettings(bootstrap_servers="memory://"), RedisSettings(url="memory://"),
                     tmp_path / "episodes.jsonl", "http://127.0.0.1:9", tmp_path, LoopOptions(passes=3))
     assert [r.init_adapter for r in runs] == [None, runs[0].output_dir / "adapter", runs[1].output_dir / "adapter"]
     assert [r.publisher_url for r in runs] == [None, None, "http://127.0.0.1:9"]
     assert len({r.seed for r in runs}) == 3 and len({r.output_dir for r in runs}) == 3  # a new data order each pass
-    assert result.adapter_dir == tmp_path / "train" / "run" / "adapter"  # the published one, where the demo looks
+    assert result["adapter_dir"] == str(tmp_path / "train" / "run" / "adapter")  # the published one, where the demo looks
 
 
 async def test_the_demo_gate_is_computed_on_the_validation_half_and_published():
