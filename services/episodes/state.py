@@ -42,6 +42,13 @@ class JoinStore(abc.ABC):
     async def add_component(self, episode_id: str, component: RewardComponent) -> list[RewardComponent]:
         """Add a component unless one of that name exists; returns all of the episode's components."""
 
+    async def intact(self) -> bool:
+        """False once the store lost what it held since :meth:`arm` (Redis flushed or restarted empty)."""
+        return True
+
+    async def arm(self) -> None:
+        """Mark the state as complete (after a start or a rebuild): its loss shows in :meth:`intact`."""
+
     async def close(self) -> None:
         """Release connections."""
 
@@ -92,6 +99,13 @@ class RedisJoinStore(JoinStore):
         self.r = redis.Redis.from_url(url)
         self.p = prefix
         self.ttl = trace_ttl_s
+        self.intact_key = f"{prefix}:join-intact"
+
+    async def intact(self) -> bool:
+        return bool(await self.r.exists(self.intact_key))
+
+    async def arm(self) -> None:
+        await self.r.set(self.intact_key, b"1")
 
     async def put_trace(self, trace: Trace) -> None:
         await self.r.set(f"{self.p}:trace:{trace.trace_id}", trace.to_bytes(), ex=self.ttl)

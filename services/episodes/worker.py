@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
@@ -57,6 +58,9 @@ class BuilderMetrics:
         self.routed = Counter("fanroute_episodes_routed_skipped",
                               "Routed traces and their verdicts not turned into episodes (biased labels)",
                               ["record"], registry=self.registry)
+        self.rebuilds = Counter("fanroute_episodes_state_rebuilds",
+                                "Times the join state was found gone from Redis and rebuilt from the topics",
+                                registry=self.registry)
 
 
 class EpisodeBuilder:
@@ -68,6 +72,15 @@ class EpisodeBuilder:
         # One join at a time in this process: a trace and its verdict handled concurrently could
         # each miss the other. (Run one replica; see docs/episodes.md.)
         self._lock = asyncio.Lock()
+        #: puts the join state back from the topics when :meth:`JoinStore.intact` says it is gone
+        self.rebuild_state: Callable[[], Awaitable[object]] | None = None
+
+    async def check_state(self) -> None:
+        """Rebuild the join state first if Redis lost it (a flush, a restart without persistence)."""
+        if self.rebuild_state is not None and not await self.state.intact():
+            await self.rebuild_state()
+            await self.state.arm()
+            self.metrics.rebuilds.inc()
 
     async def on_trace(self, trace: Trace) -> None:
         # Redis down is transient: the bus retries the record in place (the join steps are idempotent).
@@ -80,6 +93,7 @@ class EpisodeBuilder:
 
     async def _on_trace(self, trace: Trace) -> None:
         async with self._lock:
+            await self.check_state()
             # Kept even when routed (it expires like any unjudged trace): a later verdict must find
             # it to be recognised as a routed trace's, instead of waiting for it forever.
             await self.state.put_trace(trace)
@@ -97,6 +111,7 @@ class EpisodeBuilder:
             self.metrics.skipped.inc()
             return
         async with self._lock:
+            await self.check_state()
             trace = await self.state.get_trace(verdict.trace_id)
             if trace is None:
                 self.metrics.waiting.inc()
@@ -154,6 +169,7 @@ async def run(settings: EpisodeSettings, stop: asyncio.Event | None = None) -> N
 
     from services.common.bus import ensure_topics
     from services.common.idempotency import key_store
+    from services.episodes.rebuild import rebuild_join_state
     from services.episodes.state import MemoryJoinStore, RedisJoinStore
 
     stop = stop or asyncio.Event()
@@ -175,6 +191,9 @@ async def run(settings: EpisodeSettings, stop: asyncio.Event | None = None) -> N
     found = await builder.reconcile(settings.kafka)  # before consuming (see EpisodeBuilder)
     builder.done.rebuild = lambda: builder.reconcile(settings.kafka)  # marks gone (FLUSHALL): rebuilt first
     await builder.done.arm()
+    builder.rebuild_state = lambda: rebuild_join_state(settings.kafka, state, settings.trace_ttl_s)
+    async with builder._lock:
+        await builder.check_state()  # a Redis that came back empty while the builder was down
     if settings.metrics_port:
         start_http_server(settings.metrics_port, registry=builder.metrics.registry)
     await bus.start()

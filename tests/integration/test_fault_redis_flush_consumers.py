@@ -114,3 +114,39 @@ async def test_flushall_under_the_builder_builds_no_episode_twice(kafka_bootstra
                  expected={episode_id(t) for t in before + after}, results=[e.episode_id for e in episodes],
                  redis_keys_flushed=keys)
     assert keys >= N
+
+
+async def test_flushall_with_joins_half_done_loses_no_episode_and_keeps_the_first_verdict(kafka_bootstrap, tmp_path,
+                                                                                         request):
+    """Traces waiting for their verdicts, verdicts waiting for their traces, and episodes a later verdict
+    extends — all in the join state when Redis is flushed. Before the builder rebuilt its join state from
+    the topics (services/episodes/rebuild.py) every one of the first two kinds was lost (40 here), and the
+    later verdict rebuilt its episode around itself."""
+    kafka = _kafka(kafka_bootstrap)
+    waiting_trace, waiting_verdict, done = ([f"{p}{i:03d}" for i in range(N)] for p in "abc")
+    second = {t: verdict_for(t, model="judge-b", grades={"bm25-all": 1, "dense-all": 3, "eng-bm25": 0,
+                                                         "lib-bm25": 0}) for t in done}
+    with RedisServer(tmp_path / "redis") as redis:
+        await _publish(kafka, [*(("traces", judged_trace(t)) for t in waiting_trace + done),
+                               *(("verdicts", verdict_for(t)) for t in waiting_verdict + done)])
+        settings = EpisodeSettings(kafka=kafka, redis=RedisSettings(url=redis.url))
+
+        async def caught_up() -> bool:
+            return all([await group_caught_up(kafka, f"{settings.group_id}.{name}", name)
+                        for name in ("traces", "verdicts")])
+
+        keys = await _flush_between(redis.url, lambda stop: run_builder(settings, stop), caught_up, lambda: _publish(
+            kafka, [*(("verdicts", verdict_for(t)) for t in waiting_trace), *(("traces", judged_trace(t))
+                                                                              for t in waiting_verdict),
+                    *(("verdicts", second[t]) for t in done)]))
+    episodes = await topic_records(kafka, "episodes", Episode)
+    first_of = [e for e in episodes if e.trace_id not in done or len(e.rewards) == 1]
+    exactly_once("Redis FLUSHALL with joins half done (traces and verdicts waiting for each other)",
+                 "episode builder", test_id(request), records_in=6 * N,
+                 expected={episode_id(t) for t in waiting_trace + waiting_verdict + done},
+                 results=[e.episode_id for e in first_of], redis_keys_flushed=keys)
+    latest = {e.trace_id: e for e in episodes if e.trace_id in done}
+    assert all(len(e.rewards) == 2 for e in latest.values())  # the second judge's component joined the first
+    first = verdict_for(done[0]).ordering
+    assert all(e.messages[2].content.startswith(" = ".join(first[0])) for e in latest.values()), \
+        "the assistant turn stays the first verdict's ordering"
