@@ -30,6 +30,8 @@ ADAPTER_FILES = REQUIRED_FILES | frozenset({
 })
 #: A linear router version: its JSON artifact (services/router/linear.py) and, optionally, a card.
 LINEAR_ARTIFACT = "linear_router.json"
+#: what a served version is made of (a LoRA adapter's two files, or a linear router's artifact)
+SERVED_FILES = REQUIRED_FILES | {LINEAR_ARTIFACT}
 LINEAR_FILES = frozenset({LINEAR_ARTIFACT, "README.md"})
 CHUNK = 1 << 20
 #: The response header in which a sampler names the content (:func:`content_digest`) of the adapter that
@@ -62,17 +64,18 @@ class HashMismatch(AdapterFilesError):
 
 
 def content_digest(files_sha256: Mapping[str, str]) -> str:
-    """What an adapter *is*: the sha256 over its config's and weights' hashes (``name=sha`` lines, sorted).
+    """What an adapter *is*: the sha256 over its config's and weights' hashes — or a linear router's artifact's
+    (``name=sha`` lines, sorted).
 
     A card or tokenizer beside them changes nothing served, so they are left out: a manifest's digest
     (from its ``files_sha256``) equals the digest of the directory a sampler loaded it from."""
-    lines = "".join(f"{name}={files_sha256[name]}\n" for name in sorted(REQUIRED_FILES & files_sha256.keys()))
+    lines = "".join(f"{name}={files_sha256[name]}\n" for name in sorted(SERVED_FILES & files_sha256.keys()))
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def dir_digest(path: Path) -> str:
     """:func:`content_digest` of the adapter files in directory ``path``, hashed from disk."""
-    return content_digest({name: sha256_file(path / name) for name in REQUIRED_FILES if (path / name).is_file()})
+    return content_digest({name: sha256_file(path / name) for name in SERVED_FILES if (path / name).is_file()})
 
 
 def sha256_file(path: Path) -> str:

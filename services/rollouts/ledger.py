@@ -39,6 +39,13 @@ class Ledger(abc.ABC):
     async def pending(self) -> list[tuple[str, Task]]:
         """Records accepted and not done, in key order."""
 
+    async def intact(self) -> bool:
+        """False once the ledger lost what it held since :meth:`arm` (Redis flushed or restarted empty)."""
+        return True
+
+    async def arm(self) -> None:
+        """Mark the ledger complete (after a start or a rebuild): its loss shows in :meth:`intact`."""
+
     async def close(self) -> None:
         """Release connections."""
 
@@ -73,6 +80,15 @@ class RedisLedger(Ledger):
 
         self.client = redis.Redis.from_url(url)
         self.pending_key, self.done_key = f"{prefix}:pending", f"{prefix}:done"
+        self.intact_key = f"{prefix}:intact"
+
+    async def intact(self) -> bool:
+        with redis_transient("rollout ledger"):
+            return bool(await self.client.exists(self.intact_key))
+
+    async def arm(self) -> None:
+        with redis_transient("rollout ledger"):
+            await self.client.set(self.intact_key, b"1")
 
     async def accept(self, key: str, task: Task) -> bool:
         with redis_transient("rollout ledger"):

@@ -17,8 +17,9 @@ read from Redis when a group starts.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import contextlib
+import hashlib
+from collections.abc import Awaitable, Callable
 import logging
 import signal
 
@@ -47,14 +48,27 @@ class RolloutWorker:
         self.workers = [asyncio.ensure_future(self._work()) for _ in range(groups)]
         self.latest_version = 0
         self.published = 0
+        self.rebuild_ledger: Callable[[], Awaitable[object]] | None = None  # set by run() on a real broker
+        self._rebuilding = asyncio.Lock()
+        self.ledger_rebuilds = 0
 
     async def on_task(self, task: Task, record: RecordRef) -> None:
         """Ledger first (Redis down: a transient error, the record is retried, not committed), then the queue;
         a record the ledger already has (redelivered after a kill before its commit) is not run again."""
+        await self.check_ledger()
         if await self.ledger.accept(record.key, task):
             await self.queue.put((record.key, task))
         else:
             log.info("task record %s already accepted (pending or done): not run again", record.key)
+
+    async def check_ledger(self) -> None:
+        """Rebuild the ledger from the topics first if Redis lost it (services/rollouts/ledger_rebuild.py)."""
+        if self.rebuild_ledger is not None and not await self.ledger.intact():
+            async with self._rebuilding:
+                if not await self.ledger.intact():
+                    await self.rebuild_ledger()
+                    await self.ledger.arm()
+                    self.ledger_rebuilds += 1
 
     async def resume(self, left: list[tuple[str, Task]]) -> None:
         """Queue the groups a previous run accepted and did not publish (read before consuming starts)."""
@@ -128,6 +142,7 @@ async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> N
 
     from services.common.stamps import stamp_store
     from services.rollouts.ledger import ledger
+    from services.rollouts.ledger_rebuild import rebuild_ledger
     from services.rollouts.relay_client import RelayAdmin
     from services.rollouts.sandbox import make_sandbox
 
@@ -148,6 +163,10 @@ async def run(settings: RolloutSettings, stop: asyncio.Event | None = None) -> N
         bus.subscribe(topic("adapters"), worker.on_adapter, group_id=f"{settings.group_id}.adapters")
         if settings.metrics_port:
             start_http_server(settings.metrics_port, registry=runner.metrics.registry)
+        if not bus.in_memory:
+            worker.rebuild_ledger = lambda: rebuild_ledger(settings.kafka, pending, f"{settings.group_id}.tasks",
+                                                           group_id_of)
+            await worker.check_ledger()  # a Redis that came back empty while the runner was down
         left = await pending.pending()  # before consuming: only what earlier runs accepted
         await bus.start(tuple(topic(n) for n in ("tasks", "adapters", "rollouts")))
         resuming = asyncio.ensure_future(worker.resume(left))

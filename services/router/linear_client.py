@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from schemas.adapter import parse_versioned
-from services.common.adapter_files import LINEAR_ARTIFACT, AdapterFilesError, artifact_kind
+from services.common.adapter_files import LINEAR_ARTIFACT, AdapterFilesError, artifact_kind, content_digest
 from services.router.client import RouterAnswer, RouterError, RouterTimeout
 from services.router.linear import LinearRouter, LinearRouterError, from_artifact
 from services.router.parse import ParsedOrdering
@@ -36,8 +36,8 @@ class LinearRouterClient:
         self.publisher_url = publisher_url.rstrip("/")
         self.timeout_s = timeout_s
         self.fetch_timeout_s = fetch_timeout_s
-        self._loaded: OrderedDict[str, LinearRouter] = OrderedDict()
-        self._loading: dict[str, asyncio.Task[LinearRouter]] = {}
+        self._loaded: OrderedDict[str, tuple[LinearRouter, str]] = OrderedDict()  # with its content digest
+        self._loading: dict[str, asyncio.Task[tuple[LinearRouter, str]]] = {}
 
     async def start(self) -> None:
         """Nothing to open: each pull is one publisher request."""
@@ -56,13 +56,13 @@ class LinearRouterClient:
         """The linear router's scores and ordering for ``query``; RouterError (a subclass) when there is none."""
         budget = self.timeout_s if timeout_s is None else timeout_s
         t0 = time.perf_counter()
-        router = await self._router(model, budget)
+        router, digest = await self._router(model, budget)
         scores = router.scores(query, providers)
         parsed = ParsedOrdering(tiers=tuple((n,) for n in decide(scores, {}, 0.0)), unknown=(), missing=())
         return RouterAnswer(parsed, "", round((time.perf_counter() - t0) * 1000.0, 3),
-                            scores={n: round(s, 6) for n, s in scores.items()})
+                            scores={n: round(s, 6) for n, s in scores.items()}, adapter_sha256=digest)
 
-    async def _router(self, model: str, budget: float) -> LinearRouter:
+    async def _router(self, model: str, budget: float) -> tuple[LinearRouter, str]:
         if model in self._loaded:
             self._loaded.move_to_end(model)
             return self._loaded[model]
@@ -81,8 +81,9 @@ class LinearRouterClient:
             self._loaded.popitem(last=False)
         return router
 
-    def _pull(self, model: str) -> LinearRouter:
-        """Download, verify and load one version (in a thread); every failure is a RouterError."""
+    def _pull(self, model: str) -> tuple[LinearRouter, str]:
+        """Download, verify and load one version (in a thread), with its content digest (the manifest's, which
+        routed traces record as ``route.router_sha256``); every failure is a RouterError."""
         from services.common.publisher_client import PublisherClient, PublisherClientError
 
         parsed = parse_versioned(model)
@@ -104,6 +105,6 @@ class LinearRouterClient:
         except (AdapterFilesError, OSError, ValueError) as exc:
             raise RouterError(f"linear router {model}: its artifact could not be read: {exc}") from exc
         try:
-            return from_artifact(data)
+            return from_artifact(data), content_digest(manifest["files_sha256"])
         except LinearRouterError as exc:
             raise RouterError(f"linear router {model}: {exc}") from exc

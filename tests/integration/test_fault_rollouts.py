@@ -156,3 +156,58 @@ async def test_a_runner_killed_between_publishing_a_group_and_marking_it_done(ka
                  dropped_duplicates=kinds.count("duplicate"))
     assert len(first) == 1 and len(groups) == 2 and len({g.group_id for g in groups}) == 1  # the window was hit
     assert kinds == ["train", "duplicate"]
+
+
+async def test_a_flushed_ledger_then_a_killed_runner_loses_no_group(kafka_bootstrap, tmp_path, request):
+    """Redis FLUSHALL while three accepted groups run (offsets committed), then kill -9, then a restart. The
+    ledger's pending entries are rebuilt from the topics (services/rollouts/ledger_rebuild.py); before that,
+    the restart found an empty ledger and all three groups were lost."""
+    from tests.support.redis_server import RedisServer
+    from tests.support.topics import group_caught_up
+
+    ns = f"fl{uuid.uuid4().hex[:8]}."
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns)
+    base = build_tiny_model(tmp_path / "base")
+    stuck = harness(tmp_path, "stuck", "sleep 600\n")
+    quick = harness(tmp_path, "quick", 'echo "bm25-all = eng-bm25 > dense-all > lib-bm25" > /app/answer.txt\n')
+    tasks = [build_task(judged_trace(f"t-{i}"), verdict_for(f"t-{i}"), now=NOW) for i in range(3)]
+    group_id = f"rollouts-{ns}".rstrip(".").lower()
+    ledger_key = f"{ns}rollouts:ledger:{group_id}:pending"
+    work = Path(tempfile.mkdtemp(prefix="fl-", dir="/tmp"))
+    with RedisServer(tmp_path / "redis") as server:
+        redis = RedisSettings(url=server.url)
+        client = aioredis.Redis.from_url(server.url)
+        relay = relay_settings(base, kafka=kafka, redis=redis, sampler_url="http://127.0.0.1:9", admin_token=ADMIN,
+                               adapter_model_id="router")
+        try:
+            async with relay_served(relay) as (url, _):
+                def env(harness_dir: Path) -> dict[str, str]:
+                    return service_env(kafka, server.url, FANROUTE_RELAY_URL=url, FANROUTE_ADMIN_TOKEN=ADMIN,
+                                       FANROUTE_GROUP_ID=group_id, FANROUTE_GROUP_SIZE="2", FANROUTE_MAX_PARALLEL="6",
+                                       FANROUTE_WORK_DIR=str(work), FANROUTE_HARNESS__NAME="scripted",
+                                       FANROUTE_HARNESS__DIRECTORY=str(harness_dir),
+                                       FANROUTE_HARNESS__COMMAND=json.dumps(["bash", "/harness/h.sh"]),
+                                       FANROUTE_SANDBOX_TIMEOUT_S="900", FANROUTE_COMMAND_TIMEOUT_S="900")
+
+                with running("-m", "services.rollouts", env=env(stuck), crash=True):
+                    for t in tasks:
+                        await publish_once(kafka, topic("tasks"), t, client_id="test")
+                    await eventually(lambda: _ledger_size(client, ledger_key, 3), timeout_s=120,
+                                     what="the runner accepting all three tasks (its ledger)")
+                    await eventually(lambda: group_caught_up(kafka, f"{group_id}.tasks", "tasks"), timeout_s=60,
+                                     what="the three task offsets committed (no redelivery can save them)")
+                    flushed = await client.dbsize()
+                    await client.flushall()
+                with running("-m", "services.rollouts", env=env(quick)), contextlib.suppress(AssertionError):
+                    await wait_for_records(kafka, "rollouts", RolloutGroup, 3, timeout_s=180,
+                                           what="the three groups after the restart")
+                    await eventually(lambda: _ledger_size(client, ledger_key, 0), timeout_s=60,
+                                     what="the ledger emptied once the groups are out")
+                groups = await topic_records(kafka, "rollouts", RolloutGroup)
+        finally:
+            await client.aclose()
+            shutil.rmtree(work, ignore_errors=True)
+    exactly_once("Redis FLUSHALL under running groups (offsets committed), then kill -9, restart", "rollout runner",
+                 test_id(request), records_in=len(tasks), expected={t.task_id for t in tasks},
+                 results=[g.task_id for g in groups], redis_keys_flushed=flushed)
+    assert flushed >= 2  # the ledger's entries were really there, and really flushed

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from services.cli import main
-from services.common.adapter_files import LINEAR_ARTIFACT
+from services.common.adapter_files import LINEAR_ARTIFACT, content_digest
 from services.common.dataset import write_jsonl
 from services.common.publisher_client import PublisherClient
 from services.common.settings import KafkaSettings, RedisSettings
@@ -94,6 +94,8 @@ async def test_the_linear_router_is_published_promoted_and_served_in_process(kaf
                 assert route["router"] == "router@1" and route["fallback"] is None, route
                 assert route["called"] == [want] and set(route["scores"]) == set(PROVIDERS)
                 assert route["router_ms"] < 1000  # in-process: no model server between
+                # named by content, as an adapter is: the manifest's digest (no trace of it before)
+                assert route["router_sha256"] == content_digest(manifest["files_sha256"]), route
 
             # a version whose artifact is damaged (valid JSON, wrong shape) is a counted fallback
             bad = tmp_path / "bad"
