@@ -10,6 +10,7 @@ group dropped without publishing (a broken task) counts as pending again and run
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -27,11 +28,22 @@ log = logging.getLogger(__name__)
 async def committed_offsets(kafka: KafkaSettings, group_id: str, wire_topic: str) -> dict[int, int]:
     """The consumer group's committed offset per partition of ``wire_topic`` (absent: nothing committed)."""
     from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.errors import CoordinatorLoadInProgressError, GroupCoordinatorNotAvailableError
 
     admin = AIOKafkaAdminClient(bootstrap_servers=kafka.bootstrap_servers, request_timeout_ms=kafka.request_timeout_ms)
+    delay, deadline = 0.1, asyncio.get_running_loop().time() + kafka.request_timeout_ms / 1000
     try:
         await admin.start()
-        offsets = await admin.list_consumer_group_offsets(group_id)
+        while True:
+            try:
+                offsets = await admin.list_consumer_group_offsets(group_id)
+                break
+            except (GroupCoordinatorNotAvailableError, CoordinatorLoadInProgressError):
+                # a new broker creates its offsets topic on the first ask: the coordinator comes soon
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
     except Exception as exc:
         raise BusError(f"cannot read group {group_id}'s offsets on {kafka.bootstrap_servers}: {exc}") from exc
     finally:
