@@ -343,6 +343,20 @@ def collate(examples: Sequence[Example], pad_id: int) -> Batch:
     return Batch(input_ids_BT, attention_mask_BT, labels_BT, weight_B)
 
 
+def micro_batches(examples: Sequence[Example], max_padded_tokens: int) -> list[list[Example]]:
+    """``examples`` in groups whose padded size (rows × longest) stays within ``max_padded_tokens`` (a group
+    holds one example at least; 0 keeps the batch whole). Longest first, so each group pads little."""
+    if max_padded_tokens <= 0:
+        return [list(examples)]
+    groups: list[list[Example]] = []
+    for e in sorted(examples, key=lambda e: len(e.input_ids), reverse=True):
+        if groups and (len(groups[-1]) + 1) * len(groups[-1][0].input_ids) <= max_padded_tokens:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    return groups
+
+
 def balance_weights(labels: Sequence[str | None], strength: float) -> list[float]:
     """Per-example loss weights ∝ (examples with the same label) ** -strength, mean 1 over the set.
 

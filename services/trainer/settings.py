@@ -208,6 +208,10 @@ class TrainerSettings(ServiceSettings):
     lr_schedule: Literal["constant", "linear", "cosine"] = Field(
         default="linear", description="Decay after warm-up, over one pass (max_steps only stops early)")
     max_grad_norm: float = Field(default=1.0, gt=0, le=1e6, description="Gradient clipping norm")
+    micro_batch_tokens: int = Field(
+        default=2048, ge=0, le=10_000_000,
+        description="SFT: padded tokens (rows × longest) per forward/backward; a larger batch is split and its "
+                    "gradients accumulate into the same step (bounds memory, not the maths; 0 = whole batch)")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapter")
     seed: int = Field(default=0, ge=0, le=2**31 - 1, description="Seed for LoRA init, data order and dropout")
     eval_fraction: float = Field(default=0.1, ge=0, le=0.9,
@@ -244,7 +248,7 @@ class TrainerSettings(ServiceSettings):
 
 
 #: Settings a resume may change: they steer how long and how visibly a run goes, not what it learns.
-RESUMABLE_CHANGES = {"max_steps", "resume", "dry_run", "eval_every", "eval_max_examples", "eval_max_new_tokens",
+RESUMABLE_CHANGES = {"max_steps", "micro_batch_tokens", "resume", "dry_run", "eval_every", "eval_max_examples", "eval_max_new_tokens",
                      "checkpoint_every", "keep_checkpoints", "publisher_url", "model_id", "threads", "log_level",
                      "kafka", "redis", "output_dir", "grades_source", "as_of", "episodes_file"}
 

@@ -61,10 +61,11 @@ def suffix_hidden(decoder: Any, ids_BT: Any, mask_BT: Any, P: int) -> Any:
                    **{_cache_kwarg(decoder): cache}).last_hidden_state
 
 
-def target_loss(base: Any, batch: Any) -> Any:
+def target_loss(base: Any, batch: Any, denom: float | None = None) -> Any:
     """Mean next-token cross-entropy over the labelled positions of ``batch`` (the vocabulary projection
     only on those), with the shared prefix forwarded once; ``base`` is the (LoRA-wrapped) causal LM whose
-    logits are ``lm_head(hidden)``."""
+    logits are ``lm_head(hidden)``. With ``denom`` the (weighted) sum is divided by it instead: a micro-batch's
+    share of its whole batch's mean, so the shares' gradients add up to the batch's."""
     import torch.nn.functional as F
 
     ids_BT, mask_BT, labels_BT = batch.input_ids_BT, batch.attention_mask_BT, batch.labels_BT
@@ -74,6 +75,9 @@ def target_loss(base: Any, batch: Any) -> Any:
     keep_BS = targets_BS != IGNORE
     logits_NV = base.get_output_embeddings()(hidden_BSD[:, :-1][keep_BS]).float()
     if batch.weight_B is None:
-        return F.cross_entropy(logits_NV, targets_BS[keep_BS])
+        if denom is None:
+            return F.cross_entropy(logits_NV, targets_BS[keep_BS])
+        return F.cross_entropy(logits_NV, targets_BS[keep_BS], reduction="sum") / denom
     weight_N = batch.weight_B[:, None].expand_as(targets_BS)[keep_BS]  # each target token weighs its example's
-    return (F.cross_entropy(logits_NV, targets_BS[keep_BS], reduction="none") * weight_N).sum() / weight_N.sum()
+    total = (F.cross_entropy(logits_NV, targets_BS[keep_BS], reduction="none") * weight_N).sum()
+    return total / (weight_N.sum() if denom is None else denom)

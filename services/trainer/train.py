@@ -12,7 +12,6 @@ import asyncio
 import hashlib
 import json
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -34,7 +33,6 @@ from services.trainer.data import (
     batch_order,
     build_examples,
     check_gates,
-    collate,
     episode_judge,
     judge_keys,
     kafka_gate_lookup,
@@ -47,7 +45,7 @@ from services.trainer.data import (
 from services.trainer.evaluate import GradesFor, eval_items, evaluate, load_kafka_grades
 from services.trainer.route_eval import route_evaluate, route_items
 from services.trainer.settings import TrainerSettings
-from services.trainer.shared_prefix import plain_head, target_loss
+from services.trainer.sft_step import train_step as _train_step
 
 Out = Callable[[str], None]
 
@@ -292,43 +290,6 @@ class MetricsLog:
             fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
-def _target_loss(model: Any, batch: Any) -> Any:
-    """Mean next-token cross-entropy over the labelled (assistant) positions.
-
-    The same number as ``model(..., labels=...).loss``, but the vocabulary projection runs only on
-    the positions that have a target, and the prompt prefix every row shares is forwarded once
-    (:mod:`services.trainer.shared_prefix`). Models whose logits are more than ``lm_head(hidden)`` go
-    through the model's own loss.
-    """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not plain_head(base):
-        return model(input_ids=batch.input_ids_BT, attention_mask=batch.attention_mask_BT,
-                     labels=batch.labels_BT, use_cache=False).loss
-    return target_loss(base, batch)
-
-
-def _train_step(model: Any, optimizer: Any, scheduler: Any, examples: list[Example], pad_id: int,
-                max_grad_norm: float, trainable: list[Any] | None = None) -> dict[str, float]:
-    """One optimiser step on one batch; the step's metrics."""
-    import torch
-
-    batch = collate(examples, pad_id)
-    t0 = time.perf_counter()
-    lr = scheduler.get_last_lr()[0]
-    loss = _target_loss(model, batch)
-    loss.backward()
-    if trainable is None:
-        trainable = [p for p in model.parameters() if p.requires_grad]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    dt = time.perf_counter() - t0
-    return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": lr, "tokens": batch.tokens,
-            "tokens_per_s": batch.tokens / dt, "nonpad_fraction": batch.nonpad_fraction, "step_time_s": dt,
-            "batch_size": len(examples)}
-
-
 def _save_adapter(model: Any, target: Path) -> Path:
     """The final adapter, written next to ``target`` and renamed into place."""
     with atomic_dir(target) as tmp:
@@ -395,7 +356,7 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
 
     for step in range(start + 1, plan.steps + 1):
         rec = _train_step(model, optimizer, scheduler, [plan.examples[i] for i in plan.batches[step - 1]], pad_id,
-                          s.max_grad_norm)
+                          s.max_grad_norm, micro_batch_tokens=s.micro_batch_tokens)
         rec = {"step": step, "epoch": step / plan.steps_per_pass, **rec}
         metrics.write(rec)
         final.update({f"train/{k}": v for k, v in rec.items() if k not in ("step", "epoch")})

@@ -437,3 +437,35 @@ def test_an_untied_output_layer_is_tied_again_on_load(tiny: Path) -> None:
     assert ensure_tied(model) is True
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert ensure_tied(model) is False
+
+
+@pytest.mark.parametrize("balance", [0.0, 1.0])
+def test_micro_batches_give_the_same_steps_as_whole_batches(make_settings, tmp_path: Path, balance: float) -> None:
+    """Split into parts of one example each, a batch's gradient is the whole batch's (so is its loss);
+    with class-balancing weights too (a part whose weights are all 1 still counts against its batch)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from services.trainer.data import micro_batches
+
+    eps = [episode(i, query=f"{WORDS[i % 9]} and {'more ' * (i % 5)}words {i}") for i in range(12)]
+    runs = {}
+    for name, budget in (("whole", 0), ("parts", 1)):
+        result = train(make_settings(eps, batch_size=4, lora={"dropout": 0.0}, micro_batch_tokens=budget,
+                                     run={"type": "sft", "class_balance": balance},
+                                     output_dir=tmp_path / name))
+        runs[name] = (lines(result.output_dir / "metrics.jsonl"), load_file(result.adapter_dir / "adapter_model.safetensors"))
+    (whole, w_weights), (parts, p_weights) = runs["whole"], runs["parts"]
+    steps = [r for r in whole if "loss" in r]
+    assert [r["micro_batches"] for r in steps] == [1] * len(steps)
+    assert [r["micro_batches"] for r in parts if "loss" in r] == [4] * len(steps)
+    for a, b in zip(steps, [r for r in parts if "loss" in r], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert all(torch.allclose(w_weights[k], p_weights[k], atol=1e-6) for k in w_weights)
+    # the split itself: longest first, every part within the budget unless it is one example
+    from services.trainer.data import Example
+
+    exs = [Example(f"e{n}", (1,) * n, (1,) * n, False) for n in (3, 9, 5, 5, 2)]
+    got = micro_batches(exs, 10)
+    assert [[len(e.input_ids) for e in part] for part in got] == [[9], [5, 5], [3, 2]]
+    assert micro_batches(exs, 0) == [exs]
