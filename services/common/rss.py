@@ -76,3 +76,20 @@ def command_name(pid: int) -> str:
         return "?"
     words = [a.decode(errors="replace") for a in argv if a]
     return " ".join(words)[:80] or "?"
+
+
+def give_back() -> None:
+    """Collect garbage, then hand freed heap pages back to the kernel (glibc ``malloc_trim``; a no-op
+    elsewhere). Why: a long process that freed a model keeps its arenas resident until trimmed."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        return

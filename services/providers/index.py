@@ -293,6 +293,12 @@ def load_model(model_path: Path, max_seq_length: int) -> DenseModel:
         return _load_model(model_path, max_seq_length)
 
 
+def release_models() -> None:
+    """Forget the loaded dense models (a composing command that is done with them: the next load reads
+    them again)."""
+    _load_model.cache_clear()
+
+
 @lru_cache(maxsize=4)
 def _load_model(model_path: Path, max_seq_length: int) -> DenseModel:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

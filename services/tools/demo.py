@@ -117,6 +117,7 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
         print(f"      gateway ready at {url} in {time.perf_counter() - t0:.1f}s", flush=True)
         traces, code = await _traffic(opts, kafka, url)
     verdicts, episodes, wanted, gate = await _judge(kafka, redis_url, traces, settings.providers, opts)
+    _release()  # the providers' and the judge's models: the trainer's process comes next
     code = code if len(verdicts) == wanted else 1
     from services.tools.demo_loop import LoopOptions, distill_and_route, split
 
@@ -128,6 +129,18 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
         return code
     loop = LoopOptions(held_out_fraction=opts.held_out_fraction, passes=opts.passes, allow_uncalibrated=not gate.open)
     return max(code, await distill_and_route(kafka, redis_url, data, settings, opts.out_dir, loop, 6, STEPS))
+
+
+def _release() -> None:
+    """Drop the dense models the fan-out era loaded and give the freed memory back to the kernel."""
+    from services.common.rss import give_back, rss_mb
+    from services.providers.index import release_models
+
+    before = rss_mb()
+    release_models()
+    give_back()
+    print(f"      memory: {before / 1024:.2f} -> {rss_mb() / 1024:.2f} GiB resident after releasing the "
+          "fan-out era's models", flush=True)
 
 
 async def _traffic(opts: DemoOptions, kafka: KafkaSettings, url: str) -> tuple[list[Trace], int]:
