@@ -2,7 +2,7 @@
 
 Each side is ``fanroute train`` in a process of its own (its peak RSS is its own ``ru_maxrss``), on the
 same episodes file, seed and steps; the only difference is ``--micro-batch-tokens`` (the baseline ``0``:
-every batch forwarded whole, as before; the other the default, 2048 padded tokens per part). The
+every batch forwarded whole, as before; the other the default, 1024 padded tokens per part). The
 gradient is the same without dropout
 (``tests/unit/test_trainer.py::test_micro_batches_give_the_same_steps_as_whole_batches``; LoRA dropout
 draws its masks per part, so here losses agree to dropout noise); what changes is the peak (a batch of
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--episodes", type=Path, required=True, help="a `fanroute dataset` JSONL (e.g. the demo's)")
     p.add_argument("--steps", type=int, default=56, help="optimiser steps per side (56 = one demo pass)")
-    p.add_argument("--micro", type=int, default=2048, help="the micro-batched side's --micro-batch-tokens")
+    p.add_argument("--micro", type=int, default=1024, help="the micro-batched side's --micro-batch-tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--base-model", default=None, help="default: the trainer's (SmolLM2-135M-Instruct)")
     p.add_argument("--json-out", type=Path, default=None)

@@ -209,7 +209,7 @@ class TrainerSettings(ServiceSettings):
         default="linear", description="Decay after warm-up, over one pass (max_steps only stops early)")
     max_grad_norm: float = Field(default=1.0, gt=0, le=1e6, description="Gradient clipping norm")
     micro_batch_tokens: int = Field(
-        default=2048, ge=0, le=10_000_000,
+        default=1024, ge=0, le=10_000_000,
         description="SFT: padded tokens (rows × longest) per forward/backward; a larger batch is split and its "
                     "gradients accumulate into the same step (bounds memory, not the maths; 0 = whole batch)")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA adapter")
