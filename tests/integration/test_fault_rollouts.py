@@ -42,6 +42,17 @@ def harness(root: Path, name: str, script: str) -> Path:
     return d
 
 
+def runner_env(kafka: KafkaSettings, redis_url: str, relay_url: str, group_id: str, work: Path,
+               harness_dir: Path) -> dict[str, str]:
+    """A runner of groups of 2 with the scripted harness in ``harness_dir``, against the test's relay."""
+    return service_env(kafka, redis_url, FANROUTE_RELAY_URL=relay_url, FANROUTE_ADMIN_TOKEN=ADMIN,
+                       FANROUTE_GROUP_ID=group_id, FANROUTE_GROUP_SIZE="2", FANROUTE_MAX_PARALLEL="6",
+                       FANROUTE_WORK_DIR=str(work), FANROUTE_HARNESS__NAME="scripted",
+                       FANROUTE_HARNESS__DIRECTORY=str(harness_dir),
+                       FANROUTE_HARNESS__COMMAND=json.dumps(["bash", "/harness/h.sh"]),
+                       FANROUTE_SANDBOX_TIMEOUT_S="900", FANROUTE_COMMAND_TIMEOUT_S="900")
+
+
 async def test_a_runner_killed_mid_group_loses_no_group(kafka_bootstrap, redis_url, tmp_path, request):
     ns = f"fr{uuid.uuid4().hex[:8]}."
     kafka, redis = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns), RedisSettings(url=redis_url)
@@ -58,12 +69,7 @@ async def test_a_runner_killed_mid_group_loses_no_group(kafka_bootstrap, redis_u
     try:
         async with relay_served(relay) as (url, _):
             def env(harness_dir: Path) -> dict[str, str]:
-                return service_env(kafka, redis_url, FANROUTE_RELAY_URL=url, FANROUTE_ADMIN_TOKEN=ADMIN,
-                                   FANROUTE_GROUP_ID=group_id, FANROUTE_GROUP_SIZE="2", FANROUTE_MAX_PARALLEL="6",
-                                   FANROUTE_WORK_DIR=str(work), FANROUTE_HARNESS__NAME="scripted",
-                                   FANROUTE_HARNESS__DIRECTORY=str(harness_dir),
-                                   FANROUTE_HARNESS__COMMAND=json.dumps(["bash", "/harness/h.sh"]),
-                                   FANROUTE_SANDBOX_TIMEOUT_S="900", FANROUTE_COMMAND_TIMEOUT_S="900")
+                return runner_env(kafka, redis_url, url, group_id, work, harness_dir)
 
             with running("-m", "services.rollouts", env=env(stuck), crash=True):
                 for t in tasks:
@@ -182,12 +188,7 @@ async def test_a_flushed_ledger_then_a_killed_runner_loses_no_group(kafka_bootst
         try:
             async with relay_served(relay) as (url, _):
                 def env(harness_dir: Path) -> dict[str, str]:
-                    return service_env(kafka, server.url, FANROUTE_RELAY_URL=url, FANROUTE_ADMIN_TOKEN=ADMIN,
-                                       FANROUTE_GROUP_ID=group_id, FANROUTE_GROUP_SIZE="2", FANROUTE_MAX_PARALLEL="6",
-                                       FANROUTE_WORK_DIR=str(work), FANROUTE_HARNESS__NAME="scripted",
-                                       FANROUTE_HARNESS__DIRECTORY=str(harness_dir),
-                                       FANROUTE_HARNESS__COMMAND=json.dumps(["bash", "/harness/h.sh"]),
-                                       FANROUTE_SANDBOX_TIMEOUT_S="900", FANROUTE_COMMAND_TIMEOUT_S="900")
+                    return runner_env(kafka, server.url, url, group_id, work, harness_dir)
 
                 with running("-m", "services.rollouts", env=env(stuck), crash=True):
                     for t in tasks:
