@@ -88,7 +88,7 @@ TOPICS: dict[str, TopicSpec] = {
                   description="A group of rollouts of one replay task under one adapter version: each rollout's "
                               "harness output, relay calls, reward and datums (advantage = reward - group mean).",
                   producers=("rollouts",),
-                  consumers=("trainer", "rl recipes")),
+                  consumers=("trainer", "rl recipes", "rollouts")),
     )
 }
 

@@ -43,6 +43,7 @@ def test_a_child_holding_memory_is_in_the_tree_and_gone_after_it_exits() -> None
 
 def test_the_watch_attributes_each_step_its_peak_and_writes_json_and_png(tmp_path: Path) -> None:
     steps.reset()
+    base = MemoryWatch().read()  # pytest's own children (a session broker, redis) are part of every reading
     with MemoryWatch(interval_s=0.05) as watch:
         steps.step(1, 2, "small")
         watch.samples.append(watch.read())
@@ -53,7 +54,7 @@ def test_the_watch_attributes_each_step_its_peak_and_writes_json_and_png(tmp_pat
     summary = watch.summary()
     small, big = summary["steps"]["[1/2] small"], summary["steps"]["[2/2] big"]
     assert big["demo_peak_mb"] > small["demo_peak_mb"] + 140
-    assert summary["demo_peak_step"] == "[2/2] big" and summary["stack_peak_mb"] == 0.0
+    assert summary["demo_peak_step"] == "[2/2] big" and summary["stack_peak_mb"] < base.stack_mb + 100
     jpath, ppath = watch.write(tmp_path)
     assert json.loads(jpath.read_text())["demo_peak_mb"] == summary["demo_peak_mb"]
     assert ppath is not None and ppath.read_bytes()[:4] == b"\x89PNG"
@@ -62,10 +63,11 @@ def test_the_watch_attributes_each_step_its_peak_and_writes_json_and_png(tmp_pat
 
 
 def test_the_stack_is_counted_apart(monkeypatch) -> None:
+    monkeypatch.setattr("services.tools.memory.STACK_COMMANDS", ("bytearray",))
+    base = MemoryWatch().read()
     child = holding(100)
     try:
-        monkeypatch.setattr("services.tools.memory.STACK_COMMANDS", ("bytearray",))
         sample = MemoryWatch().read()
-        assert sample.stack_mb > 90 and sample.demo_mb < rss.rss_mb() + 50
+        assert sample.stack_mb > base.stack_mb + 90 and sample.demo_mb < base.demo_mb + 50
     finally:
         release(child)
