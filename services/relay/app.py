@@ -17,10 +17,11 @@ which also holds the OpenAPI document's request bodies, answers and security sch
 from __future__ import annotations
 
 import hmac
+import logging
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -37,7 +38,7 @@ from services.relay.conversation import BadRequest
 from services.relay.credentials import token_of
 from services.relay.render import RenderRefused
 from services.relay.sampling import SamplerUnavailable
-from services.relay.service import Relay
+from services.relay.service import Outcome, Relay, Started
 from services.relay.settings import RelaySettings
 
 _TRACE = re.compile(TRACE_ID_PATTERN)
@@ -81,6 +82,32 @@ async def _json_object(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
     return body
+
+
+async def _passed_on(wire: str, req: Any, started: Started, items: AsyncIterator[Started | str | Outcome]
+                     ) -> AsyncIterator[bytes]:
+    """A streamed call's events as the sampler decodes it; a failure after the first byte is the wire's
+    error event (no ``Call`` is recorded for it: the harness retries the call)."""
+    suffix = started.call_id.replace(":", "_")
+    w: Any = (wire_openai.ChunkWriter(req, suffix) if wire == "openai" else wire_anthropic.EventWriter(req, suffix))
+    yield w.head() if wire == "openai" else w.head(started.prompt_tokens)
+    try:
+        async for item in items:
+            if isinstance(item, str):
+                if wire == "openai":
+                    yield w.text(item)
+                else:
+                    for event in w.text(item):
+                        yield event
+            elif isinstance(item, Outcome):
+                for event in (w.tail(item.reply, item.token_texts) if wire == "openai" else w.tail(item.reply)):
+                    yield event
+    except Exception as exc:  # noqa: BLE001 - the status is sent: the stream says it, and nothing is recorded
+        kind = getattr(exc, "kind", "internal_error")
+        logging.getLogger(__name__).warning("a streamed call failed after its first byte (%s): %s", kind, exc)
+        yield w.error(kind, str(exc))
+    finally:
+        await items.aclose()
 
 
 def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAPI:
@@ -131,6 +158,12 @@ def create_app(settings: RelaySettings, *, relay: Relay | None = None) -> FastAP
         else:
             req = wire_anthropic.parse(raw, max_tokens_limit=settings.max_tokens_limit,
                                        max_stop=settings.max_stop_sequences)
+        if req.stream and settings.stream_sampler:
+            items = r.stream_call(trace_id, req, request.headers)
+            started = await anext(items)  # the sampler has answered: a refusal raised here is a plain 4xx/5xx
+            assert isinstance(started, Started)
+            return StreamingResponse(_passed_on(wire, req, started, items), media_type="text/event-stream",
+                                     headers={"cache-control": "no-cache"})
         out = await r.call(trace_id, req, request.headers)
         suffix = out.call.call_id.replace(":", "_")
         if not req.stream:

@@ -304,7 +304,7 @@ class ChatCompletionChunk(_Open):
 
 
 ANTHROPIC_EVENTS = ("message_start", "content_block_start", "ping", "content_block_delta", "content_block_stop",
-                    "message_delta", "message_stop")
+                    "message_delta", "message_stop", "error")
 
 
 def _json_data(schema: dict[str, Any]) -> dict[str, Any]:
@@ -314,7 +314,9 @@ def _json_data(schema: dict[str, Any]) -> dict[str, Any]:
 #: One event of OpenAI's stream (``schema`` of text/event-stream is per event before OpenAPI 3.2).
 OPENAI_EVENT = {"type": "object", "required": ["data"], "properties": {
     "data": {"anyOf": [{"const": "[DONE]", "description": "The last event"},
-                       _json_data(inline_schema(ChatCompletionChunk))]}}}
+                       _json_data(inline_schema(ChatCompletionChunk)),
+                       _json_data({"type": "object", "required": ["error"], "description": "The call failed after "
+                                   "its first byte (the sampler broke off): nothing is recorded; retry"})]}}}
 #: One event of Anthropic's stream: its name, and data whose ``type`` is that name.
 ANTHROPIC_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
     "event": {"enum": list(ANTHROPIC_EVENTS)},

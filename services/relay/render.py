@@ -190,6 +190,7 @@ def _after_placeholder(renderer: Renderer, msgs: list[dict[str, Any]], tools: Se
     return text[first + len(PLACEHOLDER):]
 
 
+TOOL_CALL_OPEN = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -23,8 +24,8 @@ from services.common.bus import Bus
 from services.common.stamps import StampStore, stamp_store
 from services.relay.conversation import ChatRequest, Reply
 from services.relay.credentials import CredentialStore, credential_store
-from services.relay.render import Renderer, build_prompt, parse_tool_calls
-from services.relay.sampling import SamplerClient
+from services.relay.render import TOOL_CALL_OPEN, Renderer, build_prompt, parse_tool_calls
+from services.relay.sampling import Sampled, SamplerClient
 from services.relay.settings import RelaySettings
 from services.relay.state import CallState, call_state, entry_of, prior_of
 
@@ -136,7 +137,8 @@ class Relay:
                 "call_records": [c.model_dump(mode="json") for c in calls]}  # the rollout runner keeps them
 
     # --------------------------------------------------------------------------- calls
-    async def call(self, trace_id: str, req: ChatRequest, headers: Any) -> Outcome:
+    async def _prepare(self, trace_id: str, req: ChatRequest, headers: Any) -> _Prepared:
+        """What a call needs before sampling: housekeeping, the rendered prompt, the policy."""
         t0, started = time.perf_counter(), datetime.now(UTC)
         reason = self.housekeeping(req, headers)
         entries = await self.state.entries(trace_id)
@@ -144,9 +146,42 @@ class Relay:
         prompt_ids, spliced = build_prompt(self.renderer, req.messages, req.tools, [prior_of(e) for e in kept])
         t1 = time.perf_counter()
         model, adapter = await self.policy()
-        sampled = await self.sampler.complete(model, prompt_ids, req.sampling)
+        return _Prepared(trace_id, t0, t1, started, reason, kept, prompt_ids, spliced, model, adapter)
+
+    async def call(self, trace_id: str, req: ChatRequest, headers: Any) -> Outcome:
+        prep = await self._prepare(trace_id, req, headers)
+        sampled = await self.sampler.complete(prep.model, prep.prompt_ids, req.sampling)
         t2 = time.perf_counter()
+        out = await self._keep(prep, req, sampled, await self.state.next_index(prep.trace_id), t2)
+        return Outcome(out.call, out.reply, text_deltas(self.renderer, sampled.token_ids, out.reply.text)
+                       if req.stream else [], out.token_texts)
+
+    async def stream_call(self, trace_id: str, req: ChatRequest, headers: Any) -> AsyncIterator[Started | str | Outcome]:
+        """A streamed call, passed on as the sampler decodes it: :class:`Started` once the sampler has
+        answered (refusals raise before it), then text deltas, then the :class:`Outcome` once its
+        ``Call`` record is published. A streamed call takes its index when it starts (its events carry
+        the call's id); the harness has its whole answer only after the record is on ``calls``."""
+        prep = await self._prepare(trace_id, req, headers)
         index = await self.state.next_index(trace_id)
+        held = HeldText(tools=bool(req.tools and self.renderer.hermes))
+        pieces = self.sampler.stream(prep.model, prep.prompt_ids, req.sampling)
+        try:
+            item = await anext(pieces)
+            yield Started(f"{trace_id}:{index}", len(prep.prompt_ids))
+            while isinstance(item, str):
+                if delta := held.add(item):
+                    yield delta
+                item = await anext(pieces)
+        finally:
+            await pieces.aclose()
+        out = await self._keep(prep, req, item, index, time.perf_counter())
+        if rest := held.close(out.reply.text):
+            yield rest
+        yield out
+
+    async def _keep(self, prep: _Prepared, req: ChatRequest, sampled: Sampled, index: int, t2: float) -> Outcome:
+        """The reply (tool calls parsed), and the ``Call`` record published and kept for the next call."""
+        trace_id = prep.trace_id
         text, calls = sampled.text, []
         if req.tools and self.renderer.hermes:
             text, calls = parse_tool_calls(sampled.text, f"call_{trace_id[-8:]}_{index}_")
@@ -154,22 +189,76 @@ class Relay:
                 calls = [{**c, "id": "toolu_" + c["id"][5:]} for c in calls]
         reply = Reply(text=text, tool_calls=calls, finish_reason="stop" if sampled.finish_reason == "stop" else "length",
                       stop_reason=sampled.stop_reason, sampled_ids=sampled.token_ids, logprobs=sampled.logprobs,
-                      top_logprobs=sampled.top_logprobs, prompt_tokens=len(prompt_ids))
-        previous = max((Call.model_validate(e["call"]) for e in kept), key=lambda c: c.call_index, default=None)
+                      top_logprobs=sampled.top_logprobs, prompt_tokens=len(prep.prompt_ids))
+        previous = max((Call.model_validate(e["call"]) for e in prep.kept), key=lambda c: c.call_index, default=None)
+        reason = prep.reason
         call = Call(call_id=f"{trace_id}:{index}", trace_id=trace_id, call_index=index,
-                    disposition="housekeeping" if reason else disposition(prompt_ids, previous),  # type: ignore[arg-type]
-                    housekeeping=reason is not None, housekeeping_reason=reason, prompt_ids=tuple(prompt_ids),
+                    disposition="housekeeping" if reason else disposition(prep.prompt_ids, previous),  # type: ignore[arg-type]
+                    housekeeping=reason is not None, housekeeping_reason=reason, prompt_ids=tuple(prep.prompt_ids),
                     sampled_ids=tuple(sampled.token_ids), sampled_logprobs=tuple(sampled.logprobs),
-                    spliced_from=spliced, adapter=adapter, adapter_sha256=sampled.adapter_sha256,
-                    sampler_model=model, renderer=self.renderer.name,
+                    spliced_from=prep.spliced, adapter=prep.adapter, adapter_sha256=sampled.adapter_sha256,
+                    sampler_model=prep.model, renderer=self.renderer.name,
                     wire=req.wire, stream=req.stream, text=sampled.text, finish_reason=reply.finish_reason,
-                    stop_reason=sampled.stop_reason, request=req.raw, started_at=started,
-                    timings=CallTimings(render_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3,
-                                        total_ms=(time.perf_counter() - t0) * 1e3))
+                    stop_reason=sampled.stop_reason, request=req.raw, started_at=prep.started,
+                    timings=CallTimings(render_ms=(prep.t1 - prep.t0) * 1e3, sample_ms=(t2 - prep.t1) * 1e3,
+                                        total_ms=(time.perf_counter() - prep.t0) * 1e3))
         await self.bus.publish(topic("calls"), call)
         await self.state.append(trace_id, entry_of(call, req.messages, req.tools, reply.message()))
         texts = [self.renderer.token_text(t) for t in sampled.token_ids] if req.sampling.top_logprobs is not None else []
-        return Outcome(call, reply, text_deltas(self.renderer, sampled.token_ids, text) if req.stream else [], texts)
+        return Outcome(call, reply, [], texts)
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    trace_id: str
+    t0: float
+    t1: float
+    started: datetime
+    reason: str | None
+    kept: list[dict[str, Any]]
+    prompt_ids: list[int]
+    spliced: Any
+    model: str
+    adapter: str | None
+
+
+@dataclass(frozen=True)
+class Started:
+    """A streamed call has begun: its id (the events' id) and its prompt's length (Anthropic's
+    ``message_start`` reports it)."""
+
+    call_id: str
+    prompt_tokens: int
+
+
+class HeldText:
+    """The text a streamed call may pass on: all of it, or, when tool calls may follow (Hermes), nothing
+    from a ``<tool_call>`` on (or what could begin one) and no trailing whitespace, since the reply's
+    text is the text before its first call, stripped."""
+
+    def __init__(self, *, tools: bool) -> None:
+        self.tools, self.raw, self.sent = tools, "", ""
+
+    def add(self, piece: str) -> str:
+        self.raw += piece
+        safe = self.raw
+        if self.tools:
+            at = safe.find(TOOL_CALL_OPEN)
+            if at < 0:
+                at = next((i for i in range(max(len(safe) - len(TOOL_CALL_OPEN) + 1, 0), len(safe))
+                           if TOOL_CALL_OPEN.startswith(safe[i:])), len(safe))
+            safe = safe[:at].rstrip()
+        if len(safe) <= len(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+    def close(self, text: str) -> str:
+        """The rest of the reply's ``text`` (what was sent is always a prefix of it)."""
+        if not text.startswith(self.sent):
+            log.warning("streamed text %r is not a prefix of the reply %r", self.sent[-40:], text[-40:])
+            return ""
+        return text[len(self.sent):]
 
 
 def text_deltas(renderer: Renderer, ids: list[int], text: str) -> list[str]:

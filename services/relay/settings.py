@@ -21,6 +21,10 @@ class RelaySettings(ServiceSettings):
                              description="Base URL of the sampler (CPU sampler or vLLM) whose /v1/completions "
                                          "the relay calls with token ids")
     sampler_timeout_s: float = Field(default=300.0, gt=0, le=3600, description="Timeout of one sampler call")
+    stream_sampler: bool = Field(default=True,
+                                 description="Ask the sampler to stream when the harness streams, and pass each "
+                                             "piece on as it is decoded (false: sample the whole reply, then "
+                                             "stream it)")
     tokenizer: str = Field(default_factory=lambda: str(paths.default_base_dir()), min_length=1,
                            description="Hugging Face directory of the policy's tokenizer (the sampler's base model); "
                                        "default: the embedded SmolLM2 in $FANROUTE_MODELS_DIR")

@@ -167,32 +167,64 @@ def _sse(name: str, data: dict[str, Any]) -> bytes:
     return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
+class EventWriter:
+    """Anthropic's streamed answer, a part at a time: :meth:`head` (``message_start``), :meth:`text` per
+    delta (the text block opens with the first), :meth:`tail` (the text block closed, or an empty one
+    when there is neither text nor a tool call; the tool-use blocks; ``message_delta``; ``message_stop``)."""
+
+    def __init__(self, req: ChatRequest, call_id: str) -> None:
+        self.req, self.call_id, self.open = req, call_id, False
+
+    def head(self, prompt_tokens: int) -> bytes:
+        start = {"id": f"msg_{self.call_id}", "type": "message", "role": "assistant", "model": self.req.model,
+                 "content": [], "stop_reason": None, "stop_sequence": None,
+                 "usage": {"input_tokens": prompt_tokens, "output_tokens": 1}}
+        return _sse("message_start", {"type": "message_start", "message": start})
+
+    def _open(self) -> Iterator[bytes]:
+        if not self.open:
+            self.open = True
+            yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                               "content_block": {"type": "text", "text": ""}})
+            yield _sse("ping", {"type": "ping"})
+
+    def text(self, delta: str) -> Iterator[bytes]:
+        yield from self._open()
+        yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                           "delta": {"type": "text_delta", "text": delta}})
+
+    def tail(self, reply: Reply) -> Iterator[bytes]:
+        stop_reason, stop_sequence = stop_fields(self.req, reply)
+        index = 0
+        if self.open or not reply.tool_calls:
+            yield from self._open()
+            yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
+            index = 1
+        for i, c in enumerate(reply.tool_calls, start=index):
+            yield _sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": {
+                "type": "tool_use", "id": c["id"], "name": c["name"], "input": {}}})
+            yield _sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(c["arguments"])}})
+            yield _sse("content_block_stop", {"type": "content_block_stop", "index": i})
+        yield _sse("message_delta", {"type": "message_delta",
+                                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                     "usage": {"output_tokens": len(reply.sampled_ids)}})
+        yield _sse("message_stop", {"type": "message_stop"})
+
+    @staticmethod
+    def error(kind: str, reason: str) -> bytes:
+        """A failure after the first byte: Anthropic's ``error`` event (its SDK raises on it)."""
+        anthropic_type = "overloaded_error" if kind == "sampler_unavailable" else "api_error"
+        return _sse("error", {"type": "error", "error": {"type": anthropic_type, "message": reason}})
+
+
 def events(req: ChatRequest, reply: Reply, deltas: list[str], call_id: str) -> Iterator[bytes]:
-    """The streamed answer in Anthropic's event order."""
-    stop_reason, stop_sequence = stop_fields(req, reply)
-    start = {**message(req, reply, call_id), "content": [], "stop_reason": None, "stop_sequence": None,
-             "usage": {"input_tokens": reply.prompt_tokens, "output_tokens": 1}}
-    yield _sse("message_start", {"type": "message_start", "message": start})
-    index = 0
-    if reply.text or not reply.tool_calls:
-        yield _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                           "content_block": {"type": "text", "text": ""}})
-        yield _sse("ping", {"type": "ping"})
-        for d in deltas:
-            yield _sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                               "delta": {"type": "text_delta", "text": d}})
-        yield _sse("content_block_stop", {"type": "content_block_stop", "index": 0})
-        index = 1
-    for i, c in enumerate(reply.tool_calls, start=index):
-        yield _sse("content_block_start", {"type": "content_block_start", "index": i, "content_block": {
-            "type": "tool_use", "id": c["id"], "name": c["name"], "input": {}}})
-        yield _sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-            "type": "input_json_delta", "partial_json": json.dumps(c["arguments"])}})
-        yield _sse("content_block_stop", {"type": "content_block_stop", "index": i})
-    yield _sse("message_delta", {"type": "message_delta",
-                                 "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                 "usage": {"output_tokens": len(reply.sampled_ids)}})
-    yield _sse("message_stop", {"type": "message_stop"})
+    """The streamed answer of a whole reply, in Anthropic's event order."""
+    w = EventWriter(req, call_id)
+    yield w.head(reply.prompt_tokens)
+    for d in deltas:
+        yield from w.text(d)
+    yield from w.tail(reply)
 
 
 def models(model_ids: list[str]) -> dict[str, Any]:

@@ -188,28 +188,51 @@ def completion(req: ChatRequest, reply: Reply, token_texts: list[str], call_id: 
             "usage": _usage(reply)}
 
 
-def chunks(req: ChatRequest, reply: Reply, deltas: list[str], token_texts: list[str], call_id: str) -> Iterator[bytes]:
-    """The streamed answer: a role chunk, one chunk per text delta, tool calls, the finish chunk, the
-    usage chunk when ``stream_options.include_usage``, then ``[DONE]``."""
-    base = {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": int(time.time()),
-            "model": req.model, "system_fingerprint": None}
+class ChunkWriter:
+    """OpenAI's streamed answer, a part at a time: :meth:`head` (the role chunk), :meth:`text` per delta
+    (as the sampler decodes it, or cut from the whole reply), :meth:`tail` (tool calls, the finish chunk
+    with the logprobs, the usage chunk when ``stream_options.include_usage``, ``[DONE]``)."""
 
-    def event(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
-        body = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
-        if req.include_usage:
+    def __init__(self, req: ChatRequest, call_id: str) -> None:
+        self.req = req
+        self.base = {"id": f"chatcmpl-{call_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                     "model": req.model, "system_fingerprint": None}
+
+    def _event(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        body = {**self.base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+        if self.req.include_usage:
             body["usage"] = None
         return b"data: " + json.dumps(body).encode() + b"\n\n"
 
-    yield event({"role": "assistant", "content": ""})
+    def head(self) -> bytes:
+        return self._event({"role": "assistant", "content": ""})
+
+    def text(self, delta: str) -> bytes:
+        return self._event({"content": delta})
+
+    def tail(self, reply: Reply, token_texts: list[str]) -> Iterator[bytes]:
+        for i, c in enumerate(_tool_calls(reply)):
+            yield self._event({"tool_calls": [{"index": i, **c}]})
+        lp = _logprobs(reply, token_texts) if self.req.sampling.top_logprobs is not None else None
+        yield self._event({}, finish_reason(reply), lp)
+        if self.req.include_usage:
+            yield b"data: " + json.dumps({**self.base, "choices": [], "usage": _usage(reply)}).encode() + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def error(kind: str, reason: str) -> bytes:
+        """A failure after the first byte (the status is sent): the error object OpenAI's SDK raises on."""
+        return b"data: " + json.dumps({"error": {"message": reason, "type": kind, "param": None,
+                                                 "code": kind}}).encode() + b"\n\n"
+
+
+def chunks(req: ChatRequest, reply: Reply, deltas: list[str], token_texts: list[str], call_id: str) -> Iterator[bytes]:
+    """The streamed answer of a whole reply: a role chunk, one chunk per text delta, then the tail."""
+    w = ChunkWriter(req, call_id)
+    yield w.head()
     for d in deltas:
-        yield event({"content": d})
-    for i, c in enumerate(_tool_calls(reply)):
-        yield event({"tool_calls": [{"index": i, **c}]})
-    lp = _logprobs(reply, token_texts) if req.sampling.top_logprobs is not None else None
-    yield event({}, finish_reason(reply), lp)
-    if req.include_usage:
-        yield b"data: " + json.dumps({**base, "choices": [], "usage": _usage(reply)}).encode() + b"\n\n"
-    yield b"data: [DONE]\n\n"
+        yield w.text(d)
+    yield from w.tail(reply, token_texts)
 
 
 def models(model_ids: list[str]) -> dict[str, Any]:

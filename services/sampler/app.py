@@ -15,11 +15,11 @@ adapters) in :mod:`services.sampler.serving`, and the response bodies in
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from services.common.adapter_files import ADAPTER_SHA256_HEADER
 from services.common.http import BodyLimit, lifespan_of
@@ -31,7 +31,10 @@ from services.sampler.shaping import (
     create_chat_completion,
     create_completion,
     model_cards,
+    plan_chat,
+    plan_completion,
 )
+from services.sampler.streaming import chat_events, completion_events
 from services.sampler.wire import (
     ApiError,
     ChatCompletionRequest,
@@ -45,6 +48,13 @@ __all__ = ["Sampler", "create_app"]
 
 _VLLM_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
+_STREAMED: dict[int | str, dict[str, Any]] = {200: {
+    "description": "The completion (vLLM's shape); with \"stream\": true, server-sent events: a chunk per "
+                   "decoded piece, the usage chunk with stream_options.include_usage, then data: [DONE]",
+    "content": {"text/event-stream": {"schema": {
+        "type": "object", "required": ["data"], "description": "One server-sent event",
+        "properties": {"data": {"type": "string", "description": "A chunk as JSON, or [DONE] (the last event); a "
+                                                                 "failure after the first byte is {\"error\": ...}"}}}}}}}
 _GENERATE_ERRORS = {
     400: "Invalid or malformed request (vLLM's BadRequestError); also what depends on the model: a prompt "
          "over its context (prompt_too_long) or a token id outside its vocabulary",
@@ -110,15 +120,37 @@ def create_app(settings: SamplerSettings, *, sampler: Sampler | None = None) -> 
             digest = entry.sha256 if entry.hashed else await asyncio.to_thread(lambda: entry.sha256)
             response.headers[ADAPTER_SHA256_HEADER] = digest
 
-    @app.post("/v1/completions", responses=errors(_GENERATE_ERRORS))
-    async def completions(req: CompletionRequest, response: Response) -> dict[str, Any]:
+    def streamed(events: AsyncIterator[bytes], response: Response) -> StreamingResponse:
+        """The events, with the headers already set on ``response`` (the adapter's content)."""
+        headers = {"cache-control": "no-cache", **{k: v for k, v in response.headers.items()
+                                                   if k == ADAPTER_SHA256_HEADER.lower()}}
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/completions", responses={**errors(_GENERATE_ERRORS), **_STREAMED})
+    async def completions(req: CompletionRequest, response: Response) -> Any:
+        if req.stream:
+            entry, plans = await plan_completion(s, req)
+            await name_content(response, req.model)
+            s.metrics.requests.labels("/v1/completions", "200").inc()
+            return streamed(completion_events(
+                s, entry, plans, model=req.model or s.model_name, logprobs=req.logprobs is not None,
+                as_ids=bool(req.return_tokens_as_token_ids), token_ids=bool(req.return_token_ids),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage)), response)
         body = await create_completion(s, req)
         await name_content(response, req.model)
         s.metrics.requests.labels("/v1/completions", "200").inc()
         return body
 
-    @app.post("/v1/chat/completions", responses=errors(_GENERATE_ERRORS))
-    async def chat_completions(req: ChatCompletionRequest, response: Response) -> dict[str, Any]:
+    @app.post("/v1/chat/completions", responses={**errors(_GENERATE_ERRORS), **_STREAMED})
+    async def chat_completions(req: ChatCompletionRequest, response: Response) -> Any:
+        if req.stream:
+            entry, plan, k = await plan_chat(s, req)
+            await name_content(response, req.model)
+            s.metrics.requests.labels("/v1/chat/completions", "200").inc()
+            return streamed(chat_events(
+                s, entry, plan, model=req.model or s.model_name, top_logprobs=k,
+                as_ids=bool(req.return_tokens_as_token_ids), token_ids=bool(req.return_token_ids),
+                include_usage=bool(req.stream_options and req.stream_options.include_usage)), response)
         body = await create_chat_completion(s, req)
         await name_content(response, req.model)
         s.metrics.requests.labels("/v1/chat/completions", "200").inc()

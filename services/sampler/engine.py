@@ -330,11 +330,15 @@ def _rng(seed: int | None) -> Any:
     return rng
 
 
+SAMPLING_EPS = 1e-5  # vLLM's _SAMPLING_EPS
+
+
 def _pick(logits_V: Any, params: SamplingParams, rng: Any) -> int:
-    """Greedy when temperature is 0, else sample from the temperature / top-k / top-p filtered softmax."""
+    """Greedy when temperature is under :data:`SAMPLING_EPS` (as vLLM: a tinier one would overflow the
+    scaled logits), else sample from the temperature / top-k / top-p filtered softmax."""
     import torch
 
-    if params.temperature == 0:
+    if params.temperature < SAMPLING_EPS:
         return int(torch.argmax(logits_V))
     scaled_V = logits_V / params.temperature
     if params.top_k and params.top_k > 0 and params.top_k < scaled_V.numel():

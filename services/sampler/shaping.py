@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from services.sampler.engine import Engine, Generation, PromptError, SamplingParams
+from services.sampler.registry import AdapterEntry
 from services.sampler.scoring import Scored
 from services.sampler.serving import Sampler
 from services.sampler.settings import SamplerSettings
@@ -23,14 +24,13 @@ from services.sampler.wire import (
     bad_request,
 )
 
+Plan = tuple[list[int], SamplingParams]  # one prompt's token ids and how to sample after it
 LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this so the JSON stays valid
 
 
 def sampling_params(req: SamplingFields, settings: SamplerSettings, max_tokens: int,
                     logprobs: int | None) -> SamplingParams:
     """vLLM's defaults for what the request leaves out; refuses what this server does not serve."""
-    if req.stream:
-        raise bad_request("stream: streaming is not served by the CPU sampler", "stream")
     if logprobs is not None and logprobs > settings.max_logprobs:
         raise bad_request(f"logprobs: {logprobs} is over the limit of {settings.max_logprobs}", "logprobs")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -49,10 +49,11 @@ def _token_name(engine: Engine, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else engine.token_text(token_id)
 
 
-def completion_logprobs(engine: Engine, gen: Generation, as_ids: bool) -> dict[str, Any]:
-    """vLLM's ``CompletionLogProbs``: tokens, token_logprobs, top_logprobs (sampled + top-k), text_offset."""
+def completion_logprobs(engine: Engine, gen: Generation, as_ids: bool, offset: int = 0) -> dict[str, Any]:
+    """vLLM's ``CompletionLogProbs``: tokens, token_logprobs, top_logprobs (sampled + top-k), text_offset
+    (counted from ``offset``: where a streamed chunk's first token starts)."""
     tokens = [_token_name(engine, t, as_ids) for t in gen.token_ids]
-    offsets, at = [], 0
+    offsets, at = [], offset
     for tok in tokens:
         offsets.append(at)
         at += len(tok)
@@ -121,16 +122,26 @@ def _prompts(req: CompletionRequest, engine: Engine, max_prompts: int) -> list[l
     return out
 
 
-async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any]:
-    """``/v1/completions`` → vLLM's ``CompletionResponse`` (one choice per prompt)."""
+async def plan_completion(s: Sampler, req: CompletionRequest) -> tuple[AdapterEntry | None, list[Plan]]:
+    """Everything a completion is refused for, checked before anything is generated (or streamed):
+    the adapter to use and, per prompt, its token ids and sampling parameters."""
     if req.echo:
         raise bad_request("echo: echoing the prompt is not served by the CPU sampler", "echo")
     check_prompt_logprobs(req.prompt_logprobs, s.settings)
+    if req.stream and req.prompt_logprobs is not None:
+        raise bad_request("stream: prompt_logprobs are not streamed by the CPU sampler (ask without stream)",
+                          "stream")
     entry = await s.resolve(req.model)
     prompts = _prompts(req, s.eng, s.settings.max_prompts)
     max_tokens = req.max_tokens if req.max_tokens is not None else s.settings.default_max_tokens
-    plans = [(ids, sampling_params(req, s.settings, s.check_prompt(ids, max_tokens, "prompt"), req.logprobs))
-             for ids in prompts]
+    return entry, [(ids, sampling_params(req, s.settings, s.check_prompt(ids, max_tokens, "prompt"), req.logprobs))
+                   for ids in prompts]
+
+
+async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any]:
+    """``/v1/completions`` → vLLM's ``CompletionResponse`` (one choice per prompt)."""
+    entry, plans = await plan_completion(s, req)
+    max_tokens = req.max_tokens if req.max_tokens is not None else s.settings.default_max_tokens
     if req.prompt_logprobs is None and max_tokens != 1:
         gens = await asyncio.gather(*(s.generate(entry, ids, params) for ids, params in plans))
         done = [(None, gen) for gen in gens]  # decoded together
@@ -153,8 +164,9 @@ async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any
             "model": req.model or s.model_name, "choices": choices, "usage": _usage(n_prompt, n_completion)}
 
 
-async def create_chat_completion(s: Sampler, req: ChatCompletionRequest) -> dict[str, Any]:
-    """``/v1/chat/completions`` → vLLM's ``ChatCompletionResponse``."""
+async def plan_chat(s: Sampler, req: ChatCompletionRequest) -> tuple[AdapterEntry | None, Plan, int | None]:
+    """What a chat completion is refused for, checked first: the adapter, the prompt and its sampling
+    parameters, and how many alternatives per token to report (None: no logprobs)."""
     entry = await s.resolve(req.model)
     messages = [{"role": m.role, "content": m.text()} for m in req.messages]
     try:
@@ -172,7 +184,13 @@ async def create_chat_completion(s: Sampler, req: ChatCompletionRequest) -> dict
             raise bad_request(f"{field}: {value} is over this server's limit of {s.settings.max_tokens_limit}",
                               field)
     max_tokens = s.check_prompt(ids, req.max_completion_tokens or req.max_tokens, "messages")
-    gen = await s.generate(entry, ids, sampling_params(req, s.settings, max_tokens, k))
+    return entry, (ids, sampling_params(req, s.settings, max_tokens, k)), k
+
+
+async def create_chat_completion(s: Sampler, req: ChatCompletionRequest) -> dict[str, Any]:
+    """``/v1/chat/completions`` → vLLM's ``ChatCompletionResponse``."""
+    entry, (ids, params), k = await plan_chat(s, req)
+    gen = await s.generate(entry, ids, params)
     choice = {"index": 0, "message": {"role": "assistant", "content": gen.text},
               "logprobs": chat_logprobs(s.eng, gen, k, bool(req.return_tokens_as_token_ids)) if k is not None
               else None,

@@ -59,6 +59,13 @@ STOP_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
                          {"type": "array", "items": {"type": "string", "minLength": 1}}, {"type": "null"}]}
 
 
+class StreamOptions(BaseModel):
+    """vLLM's ``stream_options``: a last chunk with the token counts."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: StrictBool | None = False
+
+
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (vLLM's names and defaults)."""
 
@@ -76,8 +83,9 @@ class SamplingFields(BaseModel):
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     n: StrictInt = Field(default=1, ge=1, le=1, description="Only n=1 is served")
-    stream: StrictBool | None = Field(default=False, description="Streaming is not served",
-                                      json_schema_extra=_ONLY_FALSE)
+    stream: StrictBool | None = Field(default=False, description="Server-sent events, a chunk per decoded "
+                                      "piece, then data: [DONE] (not with prompt_logprobs)")
+    stream_options: StreamOptions | None = None
 
 
 class CompletionRequest(SamplingFields):

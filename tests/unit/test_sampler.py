@@ -361,7 +361,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "logprobs": -1}, 400),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400),
     ("/v1/completions", {"prompt": "x", "stop": 3}, 400),
-    ("/v1/completions", {"prompt": "x", "stream": True}, 400),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400),
+    ("/v1/completions", {"prompt": "x", "stream": True, "prompt_logprobs": 0}, 400),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400),
     ("/v1/completions", {"prompt": "x", "seed": "s"}, 400),
     ("/v1/completions", {}, 400),
@@ -560,3 +561,10 @@ async def test_every_answer_names_the_adapter_content_that_gave_it(harness, tiny
     chat = await harness.client.post("/v1/chat/completions", json={
         "model": "lora-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
     assert chat.status_code == 200 and chat.headers[ADAPTER_SHA256_HEADER] == named["lora-a"]
+
+
+async def test_a_subnormal_temperature_is_greedy_not_a_500(harness):
+    """1.4e-45 overflows logits / temperature to inf (softmax NaN): vLLM treats under 1e-5 as greedy, so do we."""
+    greedy = await harness.complete(max_tokens=6, temperature=0, ignore_eos=True)
+    tiny_t = await harness.complete(max_tokens=6, temperature=1.401298464324817e-45, ignore_eos=True)
+    assert tiny_t["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
