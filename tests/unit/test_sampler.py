@@ -565,6 +565,8 @@ async def test_every_answer_names_the_adapter_content_that_gave_it(harness, tiny
 
 async def test_a_subnormal_temperature_is_greedy_not_a_500(harness):
     """1.4e-45 overflows logits / temperature to inf (softmax NaN): vLLM treats under 1e-5 as greedy, so do we."""
-    greedy = await harness.complete(max_tokens=6, temperature=0, ignore_eos=True)
-    tiny_t = await harness.complete(max_tokens=6, temperature=1.401298464324817e-45, ignore_eos=True)
-    assert tiny_t["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
+    greedy = await harness.complete(max_tokens=6, temperature=0, ignore_eos=True, return_token_ids=True)
+    tiny_t = await harness.complete(max_tokens=6, temperature=1.401298464324817e-45, ignore_eos=True,
+                                   return_token_ids=True)
+    ids = greedy["choices"][0]["token_ids"]
+    assert tiny_t["choices"][0]["token_ids"] == ids and len(ids) == 6
