@@ -70,6 +70,6 @@ async def rebuild_join_state(kafka: KafkaSettings, state: JoinStore, trace_ttl_s
             await state.add_pending(v)
             n_pending += 1
     result = Rebuilt(n_traces, len(episodes), n_pending)
-    log.warning("episode builder: join state was gone from Redis; rebuilt from the topics (%d traces, "
-                "%d episodes, %d verdicts waiting for their trace)", result.traces, result.episodes, result.pending)
+    log.info("episode builder: no join state in Redis (a first start, or Redis lost it); rebuilt from the "
+             "topics (%d traces, %d episodes, %d verdicts waiting for their trace)", result.traces, result.episodes, result.pending)
     return result

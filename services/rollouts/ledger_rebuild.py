@@ -64,6 +64,6 @@ async def rebuild_ledger(kafka: KafkaSettings, ledger: Ledger, consumer_group: s
         key = RecordRef(tasks_wire, rec.partition, rec.offset).key
         if group_id_of(key) not in published and await ledger.accept(key, rec.message):
             n += 1
-    log.warning("rollout ledger was gone from Redis; rebuilt from the topics: %d accepted groups not yet on "
-                "rollouts are pending again", n)
+    log.info("rollout ledger not in Redis (a first start, or Redis lost it); rebuilt from the topics: %d "
+             "accepted groups not yet on rollouts are pending again", n)
     return n
