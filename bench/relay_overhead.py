@@ -225,7 +225,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-adapter", action="store_true", help="serve the base model, no LoRA")
     p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "relay_overhead.json")
-    args = p.parse_args(argv)
+    return run_and_write(p.parse_args(argv), run, report)
+
+
+def run_and_write(args: argparse.Namespace, run: Any, report: Any) -> dict[str, Any]:
+    """The prepared SmolLM2 unless ``--base`` names a model; ``run(args)``, its report, its JSON at ``--out``."""
     if args.base is None:
         from services.models.prepare import prepare_base
 

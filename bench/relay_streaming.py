@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp
 
-from bench.relay_overhead import start, wait_ready
+from bench.relay_overhead import run_and_write, start, wait_ready
 from bench.router_decision import LORA, fresh_adapter, pct
 
 RELAYS = ("decoded", "whole")
@@ -172,16 +172,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-adapter", action="store_true", help="serve the base model, no LoRA")
     p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "relay_streaming.json")
-    args = p.parse_args(argv)
-    if args.base is None:
-        from services.models.prepare import prepare_base
-
-        args.base = str(prepare_base())
-    out = asyncio.run(run(args))
-    report(out)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    return out
+    return run_and_write(p.parse_args(argv), run, report)
 
 
 if __name__ == "__main__":
