@@ -20,6 +20,8 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -73,6 +75,15 @@ async def drive(n: int, concurrency: int, one) -> tuple[list[float], float]:
     return added, n / elapsed
 
 
+def profiler(pid: int, out: Path) -> subprocess.Popen:
+    """py-spy sampling the gateway process (every thread, native frames off) into a flame graph SVG."""
+    if shutil.which("py-spy") is None:
+        raise SystemExit("--profile needs py-spy (pip install py-spy)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "flamegraph",
+                             "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL)
+
+
 async def bench(args: argparse.Namespace) -> dict:
     pport, gport = free_port(), free_port()
     procs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "synthetic_providers.py"), str(pport),
@@ -121,7 +132,11 @@ async def bench(args: argparse.Namespace) -> dict:
             await drive(200, args.concurrency, plain)
             results = {}
             for name, fn in (("plain asyncio fan-out", plain), ("fanroute gateway", via_gateway)):
+                spy = profiler(procs[1].pid, args.profile) if args.profile and fn is via_gateway else None
                 added, rps = await drive(args.requests, args.concurrency, fn)
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes the flame graph on SIGINT
+                    spy.wait(timeout=60)
                 a = np.asarray(added)
                 results[name] = {"added_p50_ms": float(np.percentile(a[:, 0], 50)),
                                  "added_p99_ms": float(np.percentile(a[:, 0], 99)),
@@ -144,6 +159,8 @@ def main() -> None:
     p.add_argument("--latencies", type=lambda s: [float(x) for x in s.split(",")],
                    default=DEFAULT_LATENCIES_MS, help="comma-separated fixed provider latencies, ms")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/...)")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write a py-spy flame graph (SVG) of the gateway during its measured run here")
     args = p.parse_args()
     if isinstance(args.latencies, str):
         args.latencies = [float(x) for x in args.latencies.split(",")]
