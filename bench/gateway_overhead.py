@@ -8,10 +8,13 @@ fans out to the same providers with nothing but aiohttp + ``asyncio.gather`` (th
 Added latency per request = round trip − the slowest provider call inside that request (the
 gateway reports each candidate's latency; the baseline times its own calls). "handler" is the
 gateway's own Server-Timing: time inside the request handler minus the slowest provider, i.e.
-without the inbound HTTP and the event-loop queueing that the round trip includes. Kafka: the real
-broker at $KAFKA_BOOTSTRAP_SERVERS when set (acks=all, on the request path), else in-memory.
+without the inbound HTTP and the event-loop queueing that the round trip includes. The gateway is
+measured on the in-memory bus and, with ``--kafka``, again on a real broker (acks=all on the request
+path, the outbox on: a trace not acked in time is spooled). Each row also gives the CPU milliseconds
+each process spent per request (the two cores are shared, so that is where throughput goes) and the
+mean encoded trace size from the gateway's ``fanroute_gateway_trace_bytes`` histogram.
 
-    python bench/gateway_overhead.py --requests 2000 --concurrency 100
+    python bench/gateway_overhead.py --requests 1500 --concurrency 100 --kafka
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -75,6 +79,15 @@ async def drive(n: int, concurrency: int, one) -> tuple[list[float], float]:
     return added, n / elapsed
 
 
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) a process has used: ``pid``, or this one."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def profiler(pid: int, out: Path) -> subprocess.Popen:
     """py-spy sampling the gateway process (every thread, native frames off) into a flame graph SVG."""
     if shutil.which("py-spy") is None:
@@ -84,37 +97,54 @@ def profiler(pid: int, out: Path) -> subprocess.Popen:
                              "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL)
 
 
-async def bench(args: argparse.Namespace) -> dict:
-    pport, gport = free_port(), free_port()
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "bench" / "synthetic_providers.py"), str(pport),
-                               *map(str, args.latencies)])]
-    kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "memory://")
+def trace_bytes(metrics_text: str) -> float | None:
+    """Mean encoded trace size from the gateway's ``fanroute_gateway_trace_bytes`` histogram."""
+    got = {}
+    for line in metrics_text.splitlines():
+        for part in ("sum", "count"):
+            if line.startswith(f"fanroute_gateway_trace_bytes_{part} "):
+                got[part] = float(line.split()[1])
+    return got["sum"] / got["count"] if got.get("count") else None
+
+
+def kafka_for(choice: str | None) -> str | None:
+    """The broker of the ``--kafka`` run: the given bootstrap, or (``auto``) $KAFKA_BOOTSTRAP_SERVERS,
+    else the project's local stack (``python -m devstack up``), started if it is not running."""
+    if choice is None:
+        return None
+    if choice != "auto":
+        return choice
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        return os.environ["KAFKA_BOOTSTRAP_SERVERS"]
+    sys.path.insert(0, str(ROOT))
+    import devstack
+
+    return devstack.up(components=("kafka",)).bootstrap_servers
+
+
+def start_gateway(gport: int, pport: int, latencies: list[float], kafka: str) -> subprocess.Popen:
     providers = [{"type": "searxng", "name": f"p{i}", "base_url": f"http://127.0.0.1:{pport}/p{i}",
-                  "timeout_s": 5, "max_retries": 0} for i in range(len(args.latencies))]
+                  "timeout_s": 5, "max_retries": 0} for i in range(len(latencies))]
     env = {**os.environ, "FANROUTE_PORT": str(gport), "FANROUTE_PROVIDERS": json.dumps(providers),
            "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka, "FANROUTE_LOG_LEVEL": "WARNING",
-           "FANROUTE_KAFKA__TOPIC_NAMESPACE": f"bench{gport}."}
-    procs.append(subprocess.Popen([sys.executable, "-m", "services.gateway"], cwd=ROOT, env=env))
+           "FANROUTE_KAFKA__TOPIC_NAMESPACE": f"bench{gport}.", "FANROUTE_REQUIRE_KAFKA_AT_START": "true",
+           "FANROUTE_SPOOL_DIR": f"/tmp/fanroute-bench-spool-{gport}"}
+    return subprocess.Popen([sys.executable, "-m", "services.gateway"], cwd=ROOT, env=env)
+
+
+async def bench(args: argparse.Namespace) -> dict:
+    pport = free_port()
+    providers = subprocess.Popen([sys.executable, str(ROOT / "bench" / "synthetic_providers.py"), str(pport),
+                                  *map(str, args.latencies)])
+    buses = [("in-memory bus", "memory://")] + ([("Kafka, acks=all", args.broker)] if args.broker else [])
+    results: dict[str, dict] = {}
     try:
         await wait_http(f"http://127.0.0.1:{pport}/p0/search?q=warm")
-        await wait_http(f"http://127.0.0.1:{gport}/healthz")
         conn = aiohttp.TCPConnector(limit=args.concurrency * 4)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as http:
             counter = iter(range(10**9))
 
-            async def via_gateway() -> float:
-                q = f"query {next(counter)}"
-                t = time.perf_counter()
-                async with http.post(f"http://127.0.0.1:{gport}/v1/search", json={"query": q}) as r:
-                    r.raise_for_status()
-                    body = await r.json()
-                    timing = dict(p.strip().split(";dur=") for p in r.headers["Server-Timing"].split(","))
-                total = (time.perf_counter() - t) * 1000
-                if body["trace_status"] != "published":
-                    raise RuntimeError(f"trace {body['trace_status']}, not published")
-                return total - max(c["latency_ms"] for c in body["candidates"]), float(timing["gateway"])
-
-            async def plain() -> float:
+            async def plain() -> tuple[float, float]:
                 q = f"query {next(counter)}"
 
                 async def call(i: int) -> float:
@@ -128,28 +158,59 @@ async def bench(args: argparse.Namespace) -> dict:
                 each = await asyncio.gather(*(call(i) for i in range(len(args.latencies))))
                 return (time.perf_counter() - t) * 1000 - max(each), float("nan")
 
-            await drive(200, args.concurrency, via_gateway)  # warm-up, not measured
-            await drive(200, args.concurrency, plain)
-            results = {}
-            for name, fn in (("plain asyncio fan-out", plain), ("fanroute gateway", via_gateway)):
-                spy = profiler(procs[1].pid, args.profile) if args.profile and fn is via_gateway else None
-                added, rps = await drive(args.requests, args.concurrency, fn)
-                if spy is not None:
-                    spy.send_signal(signal.SIGINT)  # py-spy writes the flame graph on SIGINT
-                    spy.wait(timeout=60)
-                a = np.asarray(added)
-                results[name] = {"added_p50_ms": float(np.percentile(a[:, 0], 50)),
-                                 "added_p99_ms": float(np.percentile(a[:, 0], 99)),
-                                 "in_handler_p50_ms": float(np.percentile(a[:, 1], 50)),
-                                 "in_handler_p99_ms": float(np.percentile(a[:, 1], 99)),
-                                 "throughput_rps": rps}
+            await drive(200, args.concurrency, plain)  # warm-up, not measured
+            results["plain asyncio fan-out"] = await measure(args, plain, {"providers": providers.pid})
+            for label, kafka in buses:
+                gport = free_port()
+                gateway = start_gateway(gport, pport, args.latencies, kafka)
+                try:
+                    await wait_http(f"http://127.0.0.1:{gport}/healthz")
+
+                    async def via_gateway(gport: int = gport) -> tuple[float, float]:
+                        q = f"query {next(counter)}"
+                        t = time.perf_counter()
+                        async with http.post(f"http://127.0.0.1:{gport}/v1/search", json={"query": q}) as r:
+                            r.raise_for_status()
+                            body = await r.json()
+                            timing = dict(p.strip().split(";dur=") for p in r.headers["Server-Timing"].split(","))
+                        total = (time.perf_counter() - t) * 1000
+                        if body["trace_status"] != "published":
+                            raise RuntimeError(f"trace {body['trace_status']}, not published")
+                        return total - max(c["latency_ms"] for c in body["candidates"]), float(timing["gateway"])
+
+                    await drive(200, args.concurrency, via_gateway)  # warm-up, not measured
+                    profile = args.profile if label == "in-memory bus" else None
+                    row = await measure(args, via_gateway, {"providers": providers.pid, "gateway": gateway.pid},
+                                        profile=profile)
+                    async with http.get(f"http://127.0.0.1:{gport}/metrics") as r:
+                        row["trace_bytes_mean"] = trace_bytes(await r.text())
+                    results[f"fanroute gateway ({label})"] = row
+                finally:
+                    gateway.terminate()
+                    gateway.wait(timeout=30)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=10)
-    return {"kafka": kafka, "requests": args.requests, "concurrency": args.concurrency,
-            "provider_latencies_ms": args.latencies, "results": results, "cpus": os.cpu_count()}
+        providers.terminate()
+        providers.wait(timeout=10)
+    return {"kafka": args.broker, "requests": args.requests, "concurrency": args.concurrency,
+            "provider_latencies_ms": args.latencies, "results": results, "cpus": os.cpu_count(),
+            "event_loop": os.environ.get("FANROUTE_EVENT_LOOP", "auto")}
+
+
+async def measure(args: argparse.Namespace, fn, pids: dict[str, int], profile: Path | None = None) -> dict:
+    """One measured run of ``fn``: added latency percentiles, req/s, CPU ms per request per process."""
+    spy = profiler(pids["gateway"], profile) if profile else None
+    before = {**{k: cpu_s(pid) for k, pid in pids.items()}, "driver": cpu_s()}
+    added, rps = await drive(args.requests, args.concurrency, fn)
+    after = {**{k: cpu_s(pid) for k, pid in pids.items()}, "driver": cpu_s()}
+    if spy is not None:
+        spy.send_signal(signal.SIGINT)  # py-spy writes the flame graph on SIGINT
+        spy.wait(timeout=60)
+    a = np.asarray(added)
+    return {"added_p50_ms": float(np.percentile(a[:, 0], 50)), "added_p99_ms": float(np.percentile(a[:, 0], 99)),
+            "in_handler_p50_ms": float(np.percentile(a[:, 1], 50)),
+            "in_handler_p99_ms": float(np.percentile(a[:, 1], 99)), "throughput_rps": rps,
+            # where the two cores went: CPU ms per request in each process
+            "cpu_ms_per_request": {k: round((after[k] - before[k]) * 1000 / args.requests, 3) for k in before}}
 
 
 def main() -> None:
@@ -159,6 +220,9 @@ def main() -> None:
     p.add_argument("--latencies", type=lambda s: [float(x) for x in s.split(",")],
                    default=DEFAULT_LATENCIES_MS, help="comma-separated fixed provider latencies, ms")
     p.add_argument("--out", type=Path, default=None, help="JSON results (default bench/results/...)")
+    p.add_argument("--kafka", nargs="?", const="auto", default=None, metavar="BOOTSTRAP",
+                   help="also measure the gateway on a real broker (acks=all, the outbox on): BOOTSTRAP, or "
+                        "without a value $KAFKA_BOOTSTRAP_SERVERS, else the local stack (python -m devstack up)")
     p.add_argument("--profile", type=Path, default=None,
                    help="write a py-spy flame graph (SVG) of the gateway during its measured run here")
     args = p.parse_args()
@@ -166,20 +230,24 @@ def main() -> None:
         args.latencies = [float(x) for x in args.latencies.split(",")]
     tag = f"c{args.concurrency}_max{max(args.latencies):g}ms"
     args.out = args.out or ROOT / "bench" / "results" / f"gateway_overhead_{tag}.json"
+    args.broker = kafka_for(args.kafka)
     out = asyncio.run(bench(args))
     r = out["results"]
-    base, gw = r["plain asyncio fan-out"], r["fanroute gateway"]
-    print(f"\n{args.requests} requests, concurrency {args.concurrency}, providers {args.latencies} ms, "
-          f"kafka={out['kafka']}")
-    print(f"{'':<24}{'added p50 ms':>14}{'added p99 ms':>14}{'handler p50':>13}{'handler p99':>13}"
-          f"{'req/s':>10}")
+    base = r["plain asyncio fan-out"]
+    print(f"\n{args.requests} requests, concurrency {args.concurrency}, providers {args.latencies} ms")
+    print(f"{'':<38}{'added p50':>10}{'added p99':>10}{'hdl p50':>9}{'hdl p99':>9}{'req/s':>8}{'trace B':>9}"
+          f"   CPU ms/request")
     for name, v in r.items():
-        print(f"{name:<24}{v['added_p50_ms']:>14.2f}{v['added_p99_ms']:>14.2f}{v['in_handler_p50_ms']:>13.2f}"
-              f"{v['in_handler_p99_ms']:>13.2f}{v['throughput_rps']:>10.1f}")
-    out["ratio"] = {"added_p50": gw["added_p50_ms"] / base["added_p50_ms"],
-                    "added_p99": gw["added_p99_ms"] / base["added_p99_ms"],
-                    "throughput": gw["throughput_rps"] / base["throughput_rps"]}
-    print("ratio gateway/plain: " + ", ".join(f"{k} {v:.2f}x" for k, v in out["ratio"].items()))
+        cpu = " ".join(f"{k} {ms:.2f}" for k, ms in v["cpu_ms_per_request"].items())
+        size = f"{v['trace_bytes_mean']:.0f}" if v.get("trace_bytes_mean") else ""
+        print(f"{name:<38}{v['added_p50_ms']:>10.2f}{v['added_p99_ms']:>10.2f}{v['in_handler_p50_ms']:>9.2f}"
+              f"{v['in_handler_p99_ms']:>9.2f}{v['throughput_rps']:>8.1f}{size:>9}   {cpu}")
+    out["ratio"] = {name: {"added_p50": v["added_p50_ms"] / base["added_p50_ms"],
+                           "added_p99": v["added_p99_ms"] / base["added_p99_ms"],
+                           "throughput": v["throughput_rps"] / base["throughput_rps"]}
+                    for name, v in r.items() if name != "plain asyncio fan-out"}
+    for name, ratio in out["ratio"].items():
+        print(f"ratio {name} / plain: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -73,8 +73,25 @@ def service_main(name: str, load: Callable[[], S], run: Callable[[S], Awaitable[
         print(json.dumps(settings.model_dump(mode="json"), indent=2, sort_keys=True))  # type: ignore[attr-defined]
         return 0
     setup_logging(settings.log_level)  # type: ignore[attr-defined]
-    asyncio.run(run(settings))
+    with asyncio.Runner(loop_factory=loop_factory(getattr(settings, "event_loop", "auto"))) as runner:
+        runner.run(run(settings))
     return 0
+
+
+def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop for ``uvloop`` (and ``auto`` where it is installed); None, the standard loop, otherwise.
+
+    The gateway's request path is mostly event-loop work (sockets, timers, task switches), which
+    libuv does in C: ``bench/gateway_overhead.py`` shows what it is worth."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("FANROUTE_EVENT_LOOP=uvloop, but uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
 
 
 async def serve_app(app: Any, settings: Any) -> None:

@@ -39,6 +39,7 @@ from urllib.parse import quote, quote_plus
 import aiohttp
 from yarl import URL
 
+from schemas.base import fast_loads
 from services.common.errors import ConfigError
 from services.common.settings import secret_value
 
@@ -78,7 +79,7 @@ class HttpReply:
 
     def json(self) -> Any:
         """The body as JSON; ``ValueError`` when it is not."""
-        return json.loads(self.content)
+        return fast_loads(self.content)
 
     def json_or_none(self) -> Any:
         """The body as JSON, or None when it is not JSON."""

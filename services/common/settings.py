@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -59,6 +61,9 @@ class ServiceSettings(BaseSettings):
     redis: RedisSettings = Field(default_factory=RedisSettings, description="Redis connection")
     log_level: str = Field(default="INFO", pattern=r"^(DEBUG|INFO|WARNING|ERROR)$",
                            description="Root log level")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        default="auto", description="The asyncio event loop: uvloop (libuv; installed with uvicorn[standard]), "
+                                    "the standard one, or auto (uvloop where it is installed)")
 
 
 def secret_value(secret: SecretStr | None) -> str | None:

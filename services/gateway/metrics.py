@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TRACE_BUCKETS = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000)
 
 
 class GatewayMetrics:
@@ -22,6 +23,9 @@ class GatewayMetrics:
                                           ["provider"], buckets=_LATENCY_BUCKETS, registry=r)
         self.provider_cost = Counter("fanroute_provider_cost_usd", "Provider spend in USD",
                                      ["provider"], registry=r)
+        self.trace_bytes = Histogram("fanroute_gateway_trace_bytes", "Encoded size of each trace sent to "
+                                     "Kafka (or spooled): what the request path serialises",
+                                     buckets=_TRACE_BUCKETS, registry=r)
         self.traces_published = Counter("fanroute_traces_published", "Traces acknowledged by Kafka",
                                         registry=r)
         self.traces_unpublished = Counter("fanroute_traces_unpublished",

@@ -102,6 +102,7 @@ class TraceOutbox:
     async def publish(self, trace: Trace) -> tuple[TraceStatus, str | None]:
         """``("published", None)``, or ``("spooled", why)``; raises :class:`SpoolError` when neither."""
         wire, value, key, headers = self.bus.record_of(topic("traces"), trace)
+        self.metrics.trace_bytes.observe(len(value))
         if not self.kafka_ready():  # no link yet (the gateway started in an outage): straight to the spool
             send: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             send.set_exception(ConnectionError("Kafka unreachable since the gateway started"))

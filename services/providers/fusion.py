@@ -29,5 +29,6 @@ def rrf(candidates: tuple[Candidate, ...] | list[Candidate], *, k: int = 60, lim
             ranks.setdefault(cit.url, {})[cand.provider] = cit.rank
             first.setdefault(cit.url, cit)
     order = sorted(scores, key=lambda u: (-scores[u], u))[:limit]
-    return [FusedResult(url=u, title=first[u].title, snippet=first[u].snippet,
-                        score=round(scores[u], 8), providers=ranks[u]) for u in order]
+    # built without re-validation: every value comes from an already validated citation
+    return [FusedResult.model_construct(url=u, title=first[u].title, snippet=first[u].snippet,
+                                        score=round(scores[u], 8), providers=ranks[u]) for u in order]

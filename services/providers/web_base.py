@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from yarl import URL
 
 from schemas.trace import Citation
@@ -56,6 +56,7 @@ _BACKOFF = Backoff(base_s=0.1, max_s=2.0)  # Retry-After is honoured as long as 
 _TITLE_CHARS = 4096
 _SNIPPET_CHARS = 16384
 _TAG = re.compile(r"<[^>]*>")
+_CITATIONS = TypeAdapter(tuple[Citation, ...])
 
 
 @dataclass(frozen=True)
@@ -250,16 +251,22 @@ class HttpProvider(KeyedApi, Provider):
 
 def rank(hits: list[Hit], k: int) -> tuple[Citation, ...]:
     """The first ``k`` usable hits as citations ranked 1..n; hits without a usable URL are skipped."""
+    rows = [{"url": h.url, "title": h.title[:_TITLE_CHARS], "rank": 0, "snippet": h.snippet[:_SNIPPET_CHARS],
+             "score": h.score} for h in hits if h.url]
+    head = rows[:k]
+    for n, row in enumerate(head, 1):
+        row["rank"] = n
+    try:  # one validation call for the usual answer, where every hit is usable
+        return _CITATIONS.validate_python(head)
+    except ValidationError:  # e.g. a URL longer than the schema allows: skipped one by one
+        pass
     out: list[Citation] = []
-    for hit in hits:
+    for row in rows:
         if len(out) >= k:
             break
-        if not hit.url:
-            continue
         try:
-            out.append(Citation(url=hit.url, title=hit.title[:_TITLE_CHARS], rank=len(out) + 1,
-                                snippet=hit.snippet[:_SNIPPET_CHARS], score=hit.score))
-        except ValidationError:  # e.g. a URL longer than the schema allows
+            out.append(Citation.model_validate({**row, "rank": len(out) + 1}))
+        except ValidationError:
             continue
     return tuple(out)
 
