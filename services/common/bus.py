@@ -74,6 +74,9 @@ class Bus:
             acks="all",
             enable_idempotence=True,
             request_timeout_ms=settings.request_timeout_ms,
+            compression_type=None if settings.compression == "none" else settings.compression,
+            max_batch_size=settings.max_batch_bytes,
+            linger_ms=settings.linger_ms,
             logger=None,
         )
         self._topics: set[TopicSpec] = set()

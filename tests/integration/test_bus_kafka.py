@@ -145,3 +145,26 @@ async def test_topics_are_created_with_registry_partitions(kafka_bootstrap):
         await admin.close()
     parts = {m["topic"]: len(m["partitions"]) for m in meta}
     assert parts == {bus.name(topic("traces")): 6, bus.name(topic("adapters")): 1}
+
+
+@pytest.mark.parametrize("codec", ["none", "lz4", "zstd", "gzip"])
+async def test_large_traces_round_trip_compressed_in_big_batches(kafka_bootstrap, codec):
+    """Traces of ≈ 60 KB (a demo market's size is ≈ 55 KB) with each codec and 512 KiB batches arrive
+    whole and once: the producer settings the gateway's request path depends on."""
+    from tests.support.records import candidate
+
+    settings = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"t{uuid.uuid4().hex[:10]}.",
+                             compression=codec, max_batch_bytes=524_288)
+    bus = Bus(settings)
+    await bus.start((topic("traces"),))
+    text = "retrieval routing " * 1700  # ≈ 30 KB per candidate's answer
+    sent = [trace(trace_id=f"big{i}", candidates=(candidate("a", answer=text), candidate("b", answer=text)))
+            for i in range(12)]
+    try:
+        await asyncio.gather(*(bus.publish(topic("traces"), t) for t in sent))
+    finally:
+        await bus.stop()
+    records = await _read_all(kafka_bootstrap, bus.name(topic("traces")), len(sent))
+    got = sorted((Trace.model_validate_json(r.value) for r in records), key=lambda t: t.trace_id)
+    assert [t.trace_id for t in got] == sorted(t.trace_id for t in sent)
+    assert all(len(r.value) > 60_000 for r in records) and got[0].candidates[0].answer == text
