@@ -195,13 +195,26 @@ async def bench(args: argparse.Namespace) -> dict:
                 finally:
                     gateway.terminate()
                     gateway.wait(timeout=30)
+                    shutil.rmtree(f"/tmp/fanroute-bench-spool-{gport}", ignore_errors=True)  # a bench namespace
     finally:
         providers.terminate()
         providers.wait(timeout=10)
     return {"kafka": args.broker, "requests": args.requests, "concurrency": args.concurrency,
             "snippet_chars": args.snippet_chars,
             "provider_latencies_ms": args.latencies, "results": results, "cpus": os.cpu_count(),
-            "event_loop": os.environ.get("FANROUTE_EVENT_LOOP", "auto")}
+            "event_loop": os.environ.get("FANROUTE_EVENT_LOOP", "asyncio"), "commit": commit()}
+
+
+def commit() -> str | None:
+    """The measured code's commit (``+`` when its tree has uncommitted changes)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+" if dirty else "")
 
 
 async def measure(args: argparse.Namespace, fn, pids: dict[str, int], profile: Path | None = None) -> dict:
@@ -222,7 +235,7 @@ async def measure(args: argparse.Namespace, fn, pids: dict[str, int], profile: P
             "cpu_ms_per_request": {k: round((after[k] - before[k]) * 1000 / args.requests, 3) for k in before}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=2000)
     p.add_argument("--concurrency", type=int, default=100)
@@ -237,7 +250,7 @@ def main() -> None:
                         "without a value $KAFKA_BOOTSTRAP_SERVERS, else the local stack (python -m devstack up)")
     p.add_argument("--profile", type=Path, default=None,
                    help="write a py-spy flame graph (SVG) of the gateway during its measured run here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if isinstance(args.latencies, str):
         args.latencies = [float(x) for x in args.latencies.split(",")]
     tag = f"c{args.concurrency}_max{max(args.latencies):g}ms"

@@ -1,0 +1,32 @@
+"""Smoke test of bench/gateway_overhead.py: a short in-memory run measures all three rows (the in-process
+fan-out, the plain proxy, the gateway) with CPU per process and the trace size, and the plot is drawn.
+No timing is asserted (speed is for the benchmark to report)."""
+
+from __future__ import annotations
+
+import json
+
+from bench.gateway_overhead import main, trace_bytes
+from bench.plot_gateway_overhead import plot
+
+
+def test_the_trace_size_is_read_from_the_gateway_histogram():
+    text = ("# TYPE fanroute_gateway_trace_bytes histogram\nfanroute_gateway_trace_bytes_bucket{le=\"+Inf\"} 4.0\n"
+            "fanroute_gateway_trace_bytes_count 4.0\nfanroute_gateway_trace_bytes_sum 84000.0\n")
+    assert trace_bytes(text) == 21000.0
+    assert trace_bytes("fanroute_gateway_trace_bytes_count 0.0\n") is None
+
+
+def test_a_short_run_reports_every_row_and_plots(tmp_path):
+    out_path = tmp_path / "gw.json"
+    main(["--requests", "30", "--concurrency", "5", "--snippet-chars", "100", "--out", str(out_path)])
+    out = json.loads(out_path.read_text())
+    rows = out["results"]
+    assert list(rows) == ["plain asyncio fan-out", "plain Python proxy", "fanroute gateway (in-memory bus)"]
+    gateway = rows["fanroute gateway (in-memory bus)"]
+    assert set(gateway["cpu_ms_per_request"]) == {"providers", "gateway", "driver"}
+    assert gateway["cpu_ms_per_request"]["gateway"] > 0 and gateway["spooled"] == 0
+    assert gateway["trace_bytes_mean"] > 30 * 100  # thirty citations of 100 characters each, at least
+    assert set(out["ratio"]) == {"plain Python proxy", "fanroute gateway (in-memory bus)"}
+    plot([out_path], tmp_path / "gw.png")
+    assert (tmp_path / "gw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
