@@ -26,7 +26,6 @@ import asyncio
 import email.utils
 import enum
 import itertools
-import json
 import logging
 import math
 import re

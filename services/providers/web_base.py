@@ -251,13 +251,10 @@ class HttpProvider(KeyedApi, Provider):
 
 def rank(hits: list[Hit], k: int) -> tuple[Citation, ...]:
     """The first ``k`` usable hits as citations ranked 1..n; hits without a usable URL are skipped."""
-    rows = [{"url": h.url, "title": h.title[:_TITLE_CHARS], "rank": 0, "snippet": h.snippet[:_SNIPPET_CHARS],
+    rows = [{"url": h.url, "title": h.title[:_TITLE_CHARS], "snippet": h.snippet[:_SNIPPET_CHARS],
              "score": h.score} for h in hits if h.url]
-    head = rows[:k]
-    for n, row in enumerate(head, 1):
-        row["rank"] = n
     try:  # one validation call for the usual answer, where every hit is usable
-        return _CITATIONS.validate_python(head)
+        return _CITATIONS.validate_python([{**row, "rank": n} for n, row in enumerate(rows[:k], 1)])
     except ValidationError:  # e.g. a URL longer than the schema allows: skipped one by one
         pass
     out: list[Citation] = []

@@ -75,3 +75,14 @@ def test_one_unusable_hit_is_skipped_and_the_rest_ranked_in_one_pass() -> None:
     got = rank(hits, 3)
     assert [(c.url, c.rank) for c in got] == [("https://e.org/0", 1), ("https://e.org/1", 2), ("https://e.org/2", 3)]
     assert [c.rank for c in rank(hits[:1] + hits[3:], 10)] == [1, 2, 3, 4]
+
+
+def test_an_unknown_compression_or_an_oversized_batch_is_refused_naming_the_field() -> None:
+    from pydantic import ValidationError
+
+    from services.common.settings import KafkaSettings
+
+    with pytest.raises(ValidationError, match="compression"):
+        KafkaSettings(compression="brotli")
+    with pytest.raises(ValidationError, match="max_batch_bytes"):
+        KafkaSettings(max_batch_bytes=2_000_000)
