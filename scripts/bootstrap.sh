@@ -2,7 +2,8 @@
 # Make a fresh Debian machine able to run fanroute's tests and demo, idempotently:
 #   1. system packages (apt): redis-server, a Java 17+ runtime, Maven, bubblewrap (the rollout
 #      runner's sandbox), and docker-compose (only to
-#      validate compose.yaml in the tests, no Docker engine) — only those missing;
+#      validate compose.yaml in the tests, no Docker engine), chromium and chromium-driver (the console's
+#      browser test) — only those missing;
 #   2. the project itself: `pip install -e '.[dev]'` — only when something it needs is missing
 #      or does not satisfy pyproject.toml;
 #   3. the Kafka broker jars from Maven Central (python -m devstack prepare) —
@@ -27,6 +28,9 @@ command -v mvn >/dev/null 2>&1 || missing+=(maven)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 # Debian's docker-compose validates compose.yaml (`docker-compose config -q`) without an engine.
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+# chromium + its driver: the console's browser test (tests/integration/test_console_browser.py).
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
 
 if ((${#missing[@]})); then
     SUDO=()
@@ -38,7 +42,7 @@ if ((${#missing[@]})); then
     "${SUDO[@]}" apt-get update -q
     DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    say "redis-server, java, mvn, bwrap and docker-compose already installed"
+    say "redis-server, java, mvn, bwrap, docker-compose and chromium already installed"
 fi
 
 java_major=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java.specification.version = //p' | cut -d. -f1)

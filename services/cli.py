@@ -20,6 +20,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     "sampler": ("services.sampler.__main__", "serve the CPU sampler (same as python -m services.sampler)"),
     "relay": ("services.relay.__main__", "serve the token-in/token-out relay (same as python -m services.relay)"),
     "rollouts": ("services.rollouts.__main__", "run the rollout runner (same as python -m services.rollouts)"),
+    "console": ("services.console.__main__", "serve the operator console (same as python -m services.console)"),
 }
 #: Packages whose ``cli.py`` registers commands, in help order.
 COMMANDS = ("services.tools.cli", "services.judge.cli", "services.episodes.cli", "services.importer.cli",

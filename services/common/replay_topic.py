@@ -192,3 +192,61 @@ async def read_messages(settings: KafkaSettings, spec: TopicSpec, model: type[M]
     finally:
         await consumer.stop()
 
+
+
+async def follow_topic_records(settings: KafkaSettings, spec: TopicSpec, *, model: type[M] | None = None,
+                               start: dict[int, int] | None = None, poll_ms: int = 1000, max_records: int = 500,
+                               retry_s: float = 2.0, on_unreadable: OnUnreadable | None = None
+                               ) -> AsyncIterator[list[TopicRecord[Any]]]:
+    """Follow ``spec``'s topic for as long as the caller iterates: batches of decoded records, each partition
+    from ``start[partition]`` (the next offset to read; absent: the beginning), an empty batch on each quiet
+    ``poll_ms``. No consumer group, so no service's offsets move.
+
+    For a reader that keeps its own offsets beside what it stored (the console): it resumes where its store
+    says, so a restart neither loses nor repeats a record it committed. A topic that does not exist yet is
+    waited for (every ``retry_s``). An unreadable record comes with ``message`` None (its offset still counts;
+the topic's consumers dead-letter it) and is passed to ``on_unreadable``.
+    """
+    import asyncio
+
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    name = wire_name(settings, spec)
+    model_cls: type[Message] = model or spec.model
+    start = dict(start or {})
+    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=None,
+                                enable_auto_commit=False, auto_offset_reset="earliest")
+    await consumer.start()
+    try:
+        while not (parts := consumer.partitions_for_topic(name) or await _partitions(consumer, name)):
+            yield []
+            await asyncio.sleep(retry_s)
+        tps = [TopicPartition(name, p) for p in sorted(parts)]
+        consumer.assign(tps)
+        for tp in tps:
+            if tp.partition in start:
+                consumer.seek(tp, start[tp.partition])
+            else:
+                await consumer.seek_to_beginning(tp)
+        while True:
+            batch = await consumer.getmany(timeout_ms=poll_ms, max_records=max_records)
+            out: list[TopicRecord[Any]] = []
+            for records in batch.values():
+                for rec in records:
+                    try:
+                        message = decode(model_cls, rec.value)
+                    except SchemaError as exc:
+                        log.debug("%s[%d]@%d: unreadable, skipped: %s", name, rec.partition, rec.offset, exc)
+                        if on_unreadable is not None:
+                            on_unreadable(rec, exc)
+                        out.append(TopicRecord(None, rec.key, rec.partition, rec.offset, rec.timestamp))
+                        continue
+                    out.append(TopicRecord(message, rec.key, rec.partition, rec.offset, rec.timestamp))
+            yield out
+    finally:
+        await consumer.stop()
+
+
+async def _partitions(consumer: Any, name: str) -> set[int] | None:
+    """The topic's partitions after a metadata refresh (None while it does not exist)."""
+    return consumer.partitions_for_topic(name) if name in await consumer.topics() else None

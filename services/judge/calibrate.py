@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from schemas.base import content_id
-from schemas.calibration import CalibrationRecord, ProviderAgreement, Review, gate_key
+from schemas.calibration import CalibrationRecord, ProviderAgreement, Review, gate_key, review_id
 from schemas.topics import topic
 from schemas.trace import Trace
 from schemas.verdict import Verdict
@@ -114,7 +114,7 @@ async def verdict_tiers(kafka: KafkaSettings, backend: JudgeBackend) -> dict[str
 
 def review(verdict_id: str, reviewer: str, mark: str, note: str = "") -> Review:
     """A review mark; its id is derived from (verdict, reviewer), so a re-mark replaces by key."""
-    return Review(review_id=content_id("review", verdict_id, reviewer), verdict_id=verdict_id,
+    return Review(review_id=review_id(verdict_id, reviewer), verdict_id=verdict_id,
                   reviewer=reviewer, mark=mark, note=note, created_at=datetime.now(UTC))
 
 

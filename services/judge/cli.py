@@ -12,7 +12,10 @@ from pathlib import Path
 def add_parser(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("calibrate", help="judge vs human labels, and the calibration gate")
     cs = c.add_subparsers(dest="action", required=True)
-    r = cs.add_parser("report", help="the configured judge vs the collections' qrels")
+    r = cs.add_parser("report", help="the configured judge vs the collections' qrels, or vs people's reviews")
+    r.add_argument("--source", choices=("qrels", "reviews"), default="qrels",
+                   help="qrels: fan the dev queries out and judge them (default); reviews: the agree/disagree marks "
+                        "on the reviews topic (the console's), against the verdicts they mark")
     r.add_argument("--queries", type=int, default=None, help="at most this many dev queries (default: all of --half)")
     r.add_argument("--half", choices=("validation", "tune", "all"), default="validation",
                    help="which half of the dev queries (services.common.splits): the judge's cut points were "
@@ -58,6 +61,8 @@ async def _report(settings, args) -> int:
     from services.judge.settings import build_backend
 
     backend = build_backend(settings.judge)
+    if args.source == "reviews":
+        return await _report_reviews(settings, args, backend)
     await backend.start()
     try:
         traces = await cal.offline_traces(settings.providers, n=args.queries, seed=args.seed, contested_threshold=0.1,
@@ -74,6 +79,28 @@ async def _report(settings, args) -> int:
     stats = getattr(backend, "embedding_stats", None)
     print(f"judge cost: {1000 * seconds / max(len(traces), 1):.0f} ms per trace on this CPU"
           + (f"; source embeddings computed {stats['embedded']}, from cache {stats['cached']}" if stats else ""))
+    print(f"gate {record.gate_key}: tau-b {record.tau_b} vs threshold {record.threshold} -> "
+          f"{'OPEN' if record.open else 'CLOSED'}")
+    cal.write_json(report, record, args.out)
+    print(f"wrote {args.out}")
+    if args.publish:
+        await _publish(settings, topic_name="calibrations", message=record)
+    return 0
+
+
+async def _report_reviews(settings, args, backend) -> int:
+    """The gate recomputed from people's marks: each review's ordering against the verdict it marks."""
+    from services.judge import calibrate as cal
+    from services.judge.calibration.metrics import agreement_report, render_report
+    from services.judge.calibration.reviews import read_review_pairs
+
+    ident = backend.identity
+    pairs, counts = await read_review_pairs(settings.kafka, (ident.kind, ident.model, backend.rubric))
+    report = agreement_report(pairs)
+    names = [p.name for p in settings.providers if p.enabled]
+    record = cal.record_for(report, backend, names, source="reviews", threshold=args.threshold)
+    print(counts.render())
+    print(render_report(report, f"{ident.model} vs people's reviews ({len(pairs)} compared)"))
     print(f"gate {record.gate_key}: tau-b {record.tau_b} vs threshold {record.threshold} -> "
           f"{'OPEN' if record.open else 'CLOSED'}")
     cal.write_json(report, record, args.out)

@@ -26,7 +26,7 @@ SHARED = {
 #: Packages that compose services (and the top-level ``services/cli.py``).
 COMPOSING = {"tools", "evaluate", "cli"}
 #: Long-running services: parse settings in ``__main__``, then serve an ``app`` or run a ``worker``.
-LONG_RUNNING = {"gateway", "judge", "episodes", "publisher", "sampler", "relay", "rollouts"}
+LONG_RUNNING = {"gateway", "judge", "episodes", "publisher", "sampler", "relay", "rollouts", "console"}
 #: Modules allowed over :data:`MAX_LINES`, with the reason.
 LONG_MODULES: dict[str, str] = {}
 MAX_LINES = 450

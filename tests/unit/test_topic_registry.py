@@ -22,7 +22,8 @@ from services.common.settings import KafkaSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCE = {"publish", "publish_once", "record_of"}
-CONSUME = {"subscribe", "read_topic", "read_topic_records", "read_messages", "read_to_end", "read_records_to_end"}
+CONSUME = {"subscribe", "read_topic", "read_topic_records", "read_messages", "read_to_end", "read_records_to_end",
+           "follow_topic_records"}
 #: path prefix (relative to the repo) → the name the registry uses; the longest prefix wins
 SERVICE_OF = {
     "services/gateway/": "gateway",
@@ -37,6 +38,7 @@ SERVICE_OF = {
     "services/relay/": "relay",
     "services/rollouts/": "rollouts",
     "services/trainer/": "trainer",
+    "services/console/": "console",
     "services/evaluate/": "evaluate",
     "services/tools/demo.py": "demo",
     "services/tools/demo_loop.py": "demo",
@@ -163,9 +165,10 @@ def test_each_topic_has_a_producer_and_a_reader_or_a_planned_one():
         assert spec.consumers or spec.planned_consumers, f"{name}: nobody reads it and none is planned"
         assert not set(spec.consumers) & set(spec.planned_consumers), name
         assert spec.description, name
-    # `fanroute calibrate mark` writes reviews; their reader is planned, and said so in the registry
-    assert TOPICS["reviews"].consumers == ()
-    assert TOPICS["reviews"].planned_consumers == ("calibration set export (not yet built)",)
+    # the console and `fanroute calibrate mark` write reviews; the console and `calibrate report --source
+    # reviews` read them
+    assert set(TOPICS["reviews"].consumers) == {"console", "calibrate CLI"}
+    assert TOPICS["reviews"].planned_consumers == ()
 
 
 @pytest.mark.parametrize("ns", ["", "t1."])
