@@ -205,24 +205,26 @@ async def follow_topic_records(settings: KafkaSettings, spec: TopicSpec, *, mode
     For a reader that keeps its own offsets beside what it stored (the console): it resumes where its store
     says, so a restart neither loses nor repeats a record it committed. A topic that does not exist yet is
     waited for (every ``retry_s``). An unreadable record comes with ``message`` None (its offset still counts;
-the topic's consumers dead-letter it) and is passed to ``on_unreadable``.
+    the topic's consumers dead-letter it) and is passed to ``on_unreadable``.
     """
     import asyncio
 
-    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka import AIOKafkaConsumer
 
     name = wire_name(settings, spec)
     model_cls: type[Message] = model or spec.model
     start = dict(start or {})
-    consumer = AIOKafkaConsumer(bootstrap_servers=settings.bootstrap_servers, group_id=None,
-                                enable_auto_commit=False, auto_offset_reset="earliest")
-    await consumer.start()
+    while True:  # with no group, a consumer named for a topic is assigned all its partitions once it exists
+        consumer = AIOKafkaConsumer(name, bootstrap_servers=settings.bootstrap_servers, group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
+        await consumer.start()
+        if consumer.assignment():
+            break
+        await consumer.stop()
+        yield []
+        await asyncio.sleep(retry_s)
     try:
-        while not (parts := consumer.partitions_for_topic(name) or await _partitions(consumer, name)):
-            yield []
-            await asyncio.sleep(retry_s)
-        tps = [TopicPartition(name, p) for p in sorted(parts)]
-        consumer.assign(tps)
+        tps = sorted(consumer.assignment())
         for tp in tps:
             if tp.partition in start:
                 consumer.seek(tp, start[tp.partition])
@@ -245,8 +247,3 @@ the topic's consumers dead-letter it) and is passed to ``on_unreadable``.
             yield out
     finally:
         await consumer.stop()
-
-
-async def _partitions(consumer: Any, name: str) -> set[int] | None:
-    """The topic's partitions after a metadata refresh (None while it does not exist)."""
-    return consumer.partitions_for_topic(name) if name in await consumer.topics() else None
