@@ -37,8 +37,15 @@ from services.providers.human import QrelsStore
 
 HERE = Path(__file__).resolve().parent
 COOKIE = "fanroute_console"
+#: What the time filters take: empty (not filtered), a date, or a date and time (a browser's datetime-local
+#: sends minutes only) with an optional offset. A day past its month's end matches and is refused (422).
+_ISO = (r"^$|^\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
+        r"(T([01]\d|2[0-3]):[0-5]\d(:[0-5]\d(\.\d{1,6})?)?(Z|[+-]([01]\d|2[0-3]):[0-5]\d)?)?$")
 _HTML = "text/html"
 Page = HTMLResponse
+#: A run's id in a page's query: its path under the runs directory (``?id=demo/train/run``).
+RunId = Annotated[str, Query(alias="id", min_length=1, max_length=1024,
+                             description="The run's path under the runs directory")]
 
 
 class Console:
@@ -144,9 +151,11 @@ def create_app(settings: ConsoleSettings, console: Console | None = None) -> Fas
                                                          description="true: only with an ok verdict; false: without")] = None,
                      provider: Annotated[str | None, Query(max_length=128)] = None,
                      collection: Annotated[str | None, Query(max_length=64)] = None,
-                     since: Annotated[str | None, Query(max_length=40, description="Received at or after (ISO 8601, "
-                                                                                   "UTC when no offset)")] = None,
-                     until: Annotated[str | None, Query(max_length=40, description="Received before (ISO 8601)")] = None,
+                     since: Annotated[str | None, Query(max_length=40, pattern=_ISO,
+                                                        description="Received at or after (ISO 8601, UTC when it has "
+                                                                    "no offset)")] = None,
+                     until: Annotated[str | None, Query(max_length=40, pattern=_ISO,
+                                                        description="Received before (ISO 8601)")] = None,
                      page_no: Annotated[int, Query(alias="page", ge=1, le=100_000)] = 1) -> Response:
         f = TraceFilter(q or None, _flag(contested), _flag(judged), provider or None, collection or None,
                         _when("since", since), _when("until", until))
@@ -168,7 +177,7 @@ def create_app(settings: ConsoleSettings, console: Console | None = None) -> Fas
         reviews = console.store.reviews_of([v.verdict_id for v, _ in verdicts])
         return page(request, "trace.html", **views.trace_page(t, verdicts, reviews, console.qrels))
 
-    @app.post("/reviews", response_class=Page, operation_id="post_review", status_code=303,
+    @app.post("/reviews", response_class=RedirectResponse, operation_id="post_review", status_code=303,
               summary="Agree or disagree with one verdict (signed-in reviewers only)",
               responses={303: {"description": "Recorded; back to the trace"},
                          401: {"description": "Not signed in (no or a wrong token)"},
@@ -208,7 +217,7 @@ def create_app(settings: ConsoleSettings, console: Console | None = None) -> Fas
     async def login_form(request: Request) -> Response:
         return page(request, "login.html", failed=False)
 
-    @app.post("/login", response_class=Page, operation_id="login", status_code=303, summary="Sign in with the token",
+    @app.post("/login", response_class=RedirectResponse, operation_id="login", status_code=303, summary="Sign in with the token",
               responses={303: {"description": "Signed in"}, 401: {"description": "Wrong token"},
                          403: {"description": "This console has no token"}})
     async def login(token: Annotated[str, Form(min_length=1, max_length=512)]) -> Response:
@@ -246,15 +255,15 @@ def create_app(settings: ConsoleSettings, console: Console | None = None) -> Fas
             drawn[key] = out
         return drawn[key]
 
-    @app.get("/runs/{run_id:path}/charts", response_class=Page, operation_id="run_charts",
+    @app.get("/run/charts", response_class=Page, operation_id="run_charts",
              summary="A run's charts (the fragment a live page redraws)", responses={404: {"description": "No such run"}})
-    async def run_charts(request: Request, run_id: str) -> Response:
+    async def run_charts(request: Request, run_id: RunId) -> Response:
         found, run = _run(run_id)
         return page(request, "run_charts.html", run=run, charts=await asyncio.to_thread(_charts, found, run))
 
-    @app.get("/runs/{run_id:path}", response_class=Page, operation_id="get_run", summary="One run's page",
+    @app.get("/run", response_class=Page, operation_id="get_run", summary="One run's page",
              responses={404: {"description": "No such run"}})
-    async def run_page(request: Request, run_id: str) -> Response:
+    async def run_page(request: Request, run_id: RunId) -> Response:
         found, run = _run(run_id)
         return page(request, "run.html", run=run, charts=await asyncio.to_thread(_charts, found, run))
 
@@ -263,9 +272,11 @@ def create_app(settings: ConsoleSettings, console: Console | None = None) -> Fas
         found = artifacts.scan(settings.runs_dir, "eval.json", settings.max_run_depth)
         return page(request, "evals.html", evals=[(f, artifacts.read_json(f.path / "decision.json")) for f in found])
 
-    @app.get("/evals/{eval_id:path}", response_class=Page, operation_id="get_eval", summary="One evaluation",
+    @app.get("/eval", response_class=Page, operation_id="get_eval", summary="One evaluation",
              responses={404: {"description": "No such evaluation"}})
-    async def eval_page(request: Request, eval_id: str) -> Response:
+    async def eval_page(request: Request, eval_id: Annotated[str, Query(alias="id", min_length=1, max_length=1024,
+                                                                        description="The evaluation's path under the "
+                                                                                    "runs directory")]) -> Response:
         for f in artifacts.scan(settings.runs_dir, "eval.json", settings.max_run_depth):
             if f.id == eval_id and (doc := artifacts.read_json(f.path / "eval.json")) is not None:
                 ctx = views.eval_page(doc, artifacts.read_json(f.path / "decision.json"))

@@ -9,7 +9,9 @@ Schema can say.
   is a 403, which the document says;
 - the publisher's operations on a model, a version, a file or a blob: a positive case names the seeded
   version (:func:`tests.support.contract.seed_publisher`), otherwise nearly every generated id names
-  nothing and the run never gets past the 404.
+  nothing and the run never gets past the 404;
+- the console's trace, run and verdict ids: a positive case names the ones its store holds
+  (:func:`tests.support.contract.console_app`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from typing import Any
 import schemathesis
 from schemathesis.core.parameters import ParameterLocation
 
-from tests.support.contract import RELAY_TRACE_ID, SEED_FILES, SEED_MODEL, SEED_VERSION, seed_sha256
+from tests.support.contract import (
+    CONSOLE_RUN,
+    CONSOLE_TRACE,
+    RELAY_TRACE_ID,
+    SEED_FILES,
+    SEED_MODEL,
+    SEED_VERSION,
+    console_verdict_id,
+    seed_sha256,
+)
 
 SEED_PATHS = {"model_id": SEED_MODEL, "version": SEED_VERSION, "name": next(iter(SEED_FILES))}
 
@@ -53,6 +64,15 @@ def ndjson(ctx: schemathesis.SerializationContext, value: Any) -> bytes:
 def before_call(context: schemathesis.HookContext, case: schemathesis.Case, kwargs: dict[str, Any]) -> None:
     op = case.operation
     negative = case.meta is not None and case.meta.generation.mode.is_negative
+    if not negative and op.path == "/traces/{trace_id}":
+        case.path_parameters = {**(case.path_parameters or {}), "trace_id": CONSOLE_TRACE}
+        return
+    if not negative and op.path in ("/run", "/run/charts"):
+        case.query = {**(case.query or {}), "id": CONSOLE_RUN}
+        return
+    if not negative and op.path == "/reviews" and isinstance(case.body, dict):
+        case.body = {**case.body, "verdict_id": console_verdict_id()}
+        return
     if op.path.startswith("/tr/{trace_id}/"):
         if not (negative and case.meta.is_negative_at(ParameterLocation.PATH)):  # a bad body gets to be read
             case.path_parameters = {**(case.path_parameters or {}), "trace_id": RELAY_TRACE_ID}

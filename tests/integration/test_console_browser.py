@@ -114,7 +114,7 @@ def test_a_reviewer_disagrees_in_the_browser_and_the_gate_counts_it(kafka_bootst
 
             driver.get(f"{server.url}/runs")
             driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
-            WebDriverWait(driver, 30).until(ec.url_contains("/runs/train/run"))
+            WebDriverWait(driver, 30).until(ec.url_contains("/run?id=train"))
             series = driver.find_elements(By.CSS_SELECTOR, "figure.chart svg g[id^='series-'] path")
             assert series, "no chart series was drawn"
             loss = driver.find_elements(By.CSS_SELECTOR, "g#series-loss path")

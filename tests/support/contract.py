@@ -9,6 +9,8 @@
   :mod:`tests.support.relay` (in process), credentials in memory with one token minted for
   :data:`RELAY_TRACE_ID`, the admin routes on; :func:`client_headers` is what a client sends it (the
   episode token as ``x-api-key``, the admin token as a Bearer token);
+- :func:`console_app`: the console over a store holding six judged ADI traces, one run to chart, reviews
+  published on the in-memory bus (the contract headers carry its token);
 - :class:`ThreadServer`: uvicorn in a background thread, lifespan on (the app starts as in production).
 
 ``python -m tests.support.contract [gateway|publisher|sampler|relay ...]`` serves them and prints their
@@ -135,13 +137,44 @@ def relay_app(tmp: Path) -> Any:
     return app
 
 
+def console_app(tmp: Path) -> Any:
+    from services.common.settings import KafkaSettings, RedisSettings
+    from services.console.app import create_app
+    from services.console.settings import ConsoleSettings
+    from tests.support.console import console_records, write_run
+
+    write_run(tmp / "runs")
+    settings = ConsoleSettings(kafka=KafkaSettings(bootstrap_servers="memory://"), redis=RedisSettings(url="memory://"),
+                               store_path=tmp / "console.sqlite3", runs_dir=tmp / "runs", console_token=CONSOLE_TOKEN)
+    app = create_app(settings)
+    traces, verdicts = console_records("test", "judge-a", "rubric-1")
+    for message in (*traces, *verdicts):
+        app.state.console.store.put(message)
+    app.state.contract_headers = {"Authorization": f"Bearer {CONSOLE_TOKEN}"}
+    return app
+
+
+#: The console's token in its contract run (sent as a Bearer token, so generated reviews reach the handler).
+CONSOLE_TOKEN = "contract-console-token"
+#: A trace and a run the console's contract store holds (``hooks.py`` points positive cases at them).
+CONSOLE_TRACE = "console-adi-1"
+CONSOLE_RUN = "train/run"
+
+
+def console_verdict_id() -> str:
+    """The id of the verdict on :data:`CONSOLE_TRACE` in the console's contract store."""
+    from tests.support.console import console_records
+
+    return next(v.verdict_id for v in console_records("test", "judge-a", "rubric-1")[1] if v.trace_id == CONSOLE_TRACE)
+
+
 def client_headers(app: Any) -> dict[str, str]:
     """The headers a contract run sends ``app`` (credentials), none for most apps."""
     return dict(getattr(app.state, "contract_headers", {}))
 
 
 APPS: dict[str, Callable[[Path], Any]] = {"gateway": gateway_app, "publisher": publisher_app,
-                                           "sampler": sampler_app, "relay": relay_app}
+                                           "sampler": sampler_app, "relay": relay_app, "console": console_app}
 
 
 def seed(app: Any, url: str) -> None:
