@@ -79,6 +79,13 @@ async def _report(settings, args) -> int:
     stats = getattr(backend, "embedding_stats", None)
     print(f"judge cost: {1000 * seconds / max(len(traces), 1):.0f} ms per trace on this CPU"
           + (f"; source embeddings computed {stats['embedded']}, from cache {stats['cached']}" if stats else ""))
+    return await _gate_record(settings, args, report, record)
+
+
+async def _gate_record(settings, args, report, record) -> int:
+    """Say what the gate record decides, write the report beside it, publish it when asked."""
+    from services.judge import calibrate as cal
+
     print(f"gate {record.gate_key}: tau-b {record.tau_b} vs threshold {record.threshold} -> "
           f"{'OPEN' if record.open else 'CLOSED'}")
     cal.write_json(report, record, args.out)
@@ -101,13 +108,7 @@ async def _report_reviews(settings, args, backend) -> int:
     record = cal.record_for(report, backend, names, source="reviews", threshold=args.threshold)
     print(counts.render())
     print(render_report(report, f"{ident.model} vs people's reviews ({len(pairs)} compared)"))
-    print(f"gate {record.gate_key}: tau-b {record.tau_b} vs threshold {record.threshold} -> "
-          f"{'OPEN' if record.open else 'CLOSED'}")
-    cal.write_json(report, record, args.out)
-    print(f"wrote {args.out}")
-    if args.publish:
-        await _publish(settings, topic_name="calibrations", message=record)
-    return 0
+    return await _gate_record(settings, args, report, record)
 
 
 async def _export(settings, args) -> int:
