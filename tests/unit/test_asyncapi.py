@@ -41,7 +41,8 @@ def test_every_producer_and_consumer_is_an_operation_on_its_wire_topic():
         schema = doc["components"]["schemas"][spec.model.__name__]
         assert set(schema["properties"]) == set(spec.model.model_json_schema()["properties"])
         assert set(schema.get("required", ())) == set(spec.model.model_json_schema().get("required", ()))
-    assert "calibration set export (not yet built)" in doc["channels"]["reviews:calibrate-cli:publish"]["description"]
+    # a planned reader is named as such, never as an operation
+    assert "call audit and replay tools (not yet built" in doc["channels"]["calls:relay:publish"]["description"]
 
 
 def test_the_command_exits_0_and_writes_the_document(tmp_path):
