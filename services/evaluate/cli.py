@@ -76,6 +76,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-fallback-share", type=_share, default=0.05,
                    help="at most this share of the candidate's answers may be fallbacks (router errors, "
                         "timeouts, unparseable answers)")
+    p.add_argument("--tie-max-cost-share", type=_share, default=0.5,
+                   help="a tie with a baseline on a measure passes when the candidate costs at most this share "
+                        "of it per query (0 disables ties; services.evaluate.promote.TIE_MAX_COST_SHARE)")
     p.add_argument("--cost-min-gain", type=_non_negative, default=0.02,
                    help="a candidate dearer per query than the deployed router must beat it by at least this "
                         "on both measures")
@@ -204,7 +207,7 @@ def _promote(args: argparse.Namespace, settings) -> int:
                                  f"is now {current_name or 'none'}; evaluate again")
         decision = decide(report, min_gain=args.min_gain, eval_file=str(eval_path),
                           max_router_p99_ms=args.max_router_p99_ms, cost_min_gain=args.cost_min_gain,
-                          max_fallback_share=args.max_fallback_share)
+                          max_fallback_share=args.max_fallback_share, tie_max_cost_share=args.tie_max_cost_share)
         status = 0 if decision.decision == "promote" else EXIT_REFUSED
         if decision.decision == "promote":
             try:

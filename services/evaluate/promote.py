@@ -3,11 +3,13 @@ best single provider and the linear router distilled from the same episodes on B
 decides fast enough, and does not cost more than the deployed router without paying for it.
 
 Four rules, each a :class:`Check` naming its rule:
-- ``quality``: candidate mean > baseline mean + ``min_gain`` for every (measure, baseline) pair, the
-  baselines being the best single provider, the deployed router and (when the report has it) the linear
-  router trained on the same episodes — an LM router that a linear classifier of its own labels beats
-  does not pay for itself; a measure with no data (no held-out query has qrels, or the judge graded none)
-  refuses;
+- ``quality``: for every (measure, baseline) pair the candidate dominates the baseline on the
+  cost–quality plane: its mean is above the baseline's by more than ``min_gain``, or — a tie — no lower
+  while it costs at most ``tie_max_cost_share`` of the baseline per query (the same answers for half the
+  price pay; the judge's coarse grades tie often: 146 of 186 held-out queries in a demo). The baselines are
+  the best single provider, the deployed router and (when the report has it) the linear router trained on
+  the same episodes — an LM router that a linear classifier of its own labels beats does not pay for
+  itself; a measure with no data (no held-out query has qrels, or the judge graded none) refuses;
 - ``latency``: the candidate's own decision time (the router call, not the providers) has p99 within
   ``max_router_p99_ms`` (when set);
 - ``reliability``: at most ``max_fallback_share`` of the held-out queries were answered by a fallback
@@ -33,6 +35,11 @@ from services.evaluate.report import EvalReport
 #: Exit status of ``fanroute promote`` when the rule refuses (0 = promoted, 2 = bad input, 1 = publisher failed).
 EXIT_REFUSED = 3
 
+#: A tie on a measure passes when the candidate costs at most this share of the baseline per query.
+TIE_MAX_COST_SHARE = 0.5
+#: Means this close are equal (the per-query grades are coarse; their means tie exactly).
+TIE_EPS = 1e-9
+
 
 class Check(BaseModel):
     """One (measure, baseline) comparison of the rule."""
@@ -46,6 +53,9 @@ class Check(BaseModel):
     baseline_mean: float | None
     n: int
     passed: bool
+    cost_share: float | None = Field(default=None, description="quality: the candidate's cost per query over the "
+                                     "baseline's (a tie passes at or below the rule's share)")
+    tie: bool = Field(default=False, description="quality: passed as a tie at a fraction of the baseline's cost")
 
     def line(self, min_gain: float) -> str:
         who = f"{self.baseline} ({self.baseline_name})"
@@ -63,10 +73,14 @@ class Check(BaseModel):
                     f"{'' if self.passed or self.baseline_mean is None else ' without beating it by the cost gain'}")
         if self.candidate_mean is None or self.baseline_mean is None:
             return f"{self.measure}: no {self.measure} measure on the held-out queries (n={self.n}); cannot compare"
+        if self.tie:
+            return (f"{self.measure}: candidate {self.candidate_mean:.4f} ties {who} {self.baseline_mean:.4f} "
+                    f"at {self.cost_share:.0%} of its cost (n={self.n})")
         verb = "beats" if self.passed else "does not beat"
         margin = f" by more than {min_gain:g}" if min_gain else ""
+        share = "" if self.passed or self.cost_share is None else f"; costs {self.cost_share:.0%} of it"
         return (f"{self.measure}: candidate {self.candidate_mean:.4f} {verb} {who} {self.baseline_mean:.4f}"
-                f"{margin} (n={self.n})")
+                f"{margin} (n={self.n}{share})")
 
 
 class Decision(BaseModel):
@@ -79,6 +93,8 @@ class Decision(BaseModel):
     reasons: list[str]
     checks: list[Check]
     min_gain: float
+    tie_max_cost_share: float = Field(default=TIE_MAX_COST_SHARE,
+                                      description="A tie on a measure passed at or below this share of the cost")
     decided_by: list[str] = Field(default_factory=list,
                                   description="The rules that refused, or every rule checked when promoted")
     fallback_provider: str = Field(description="The best single provider, handed to the gateway for fallbacks")
@@ -88,8 +104,22 @@ class Decision(BaseModel):
     publisher_error: str | None = None
 
 
+def _quality(measure: str, policy: str, name: str | None, cand: Any, base: Any, *, min_gain: float,
+             tie_max_cost_share: float) -> Check:
+    """One (measure, baseline) comparison: a gain above ``min_gain``, or a tie at a fraction of the cost."""
+    c, b = cand.measure(measure), base.measure(measure)
+    share = (cand.cost_per_query_usd / base.cost_per_query_usd) if base.cost_per_query_usd > 0 else None
+    known = c.mean is not None and b.mean is not None
+    gain = known and c.mean > b.mean + min_gain
+    tie = (known and not gain and c.mean >= b.mean - TIE_EPS and share is not None
+           and share <= tie_max_cost_share)
+    return Check(measure=measure, baseline=policy, baseline_name=name, candidate_mean=c.mean, baseline_mean=b.mean,
+                 n=c.n, passed=bool(gain or tie), cost_share=share, tie=bool(tie))
+
+
 def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", max_router_p99_ms: float | None = None,
-           cost_min_gain: float = 0.02, max_fallback_share: float = 0.05) -> Decision:
+           cost_min_gain: float = 0.02, max_fallback_share: float = 0.05,
+           tie_max_cost_share: float = TIE_MAX_COST_SHARE) -> Decision:
     """Apply the rules to an eval report (pure)."""
     i = report.inputs
     cand = report.policies[CANDIDATE]
@@ -100,12 +130,9 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
         baselines.append((LINEAR, report.policies[LINEAR].adapter))
     checks = []
     for measure in MEASURES:
-        c = cand.measure(measure)
         for policy, name in baselines:
-            b = report.policies[policy].measure(measure)
-            ok = c.mean is not None and b.mean is not None and c.mean > b.mean + min_gain
-            checks.append(Check(measure=measure, baseline=policy, baseline_name=name, candidate_mean=c.mean,
-                                baseline_mean=b.mean, n=c.n, passed=ok))
+            checks.append(_quality(measure, policy, name, cand, report.policies[policy], min_gain=min_gain,
+                                   tie_max_cost_share=tie_max_cost_share))
     if max_router_p99_ms is not None:
         p99 = cand.router_p99_ms if cand.router_p99_ms is not None else float("inf")
         checks.append(Check(rule="latency", measure="router_p99_ms", baseline="limit",
@@ -129,7 +156,8 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
         decided_by = ["already_deployed", *decided_by]
     reasons = failed or [ch.line(min_gain) for ch in checks]
     return Decision(candidate=i.candidate, deployed=i.deployed, decision="refuse" if failed else "promote",
-                    reasons=reasons, checks=checks, min_gain=min_gain, decided_by=decided_by,
+                    reasons=reasons, checks=checks, min_gain=min_gain, tie_max_cost_share=tie_max_cost_share,
+                    decided_by=decided_by,
                     fallback_provider=i.best_single.provider, eval_file=eval_file, decided_at=datetime.now(UTC))
 
 

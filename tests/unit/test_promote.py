@@ -225,3 +225,31 @@ def test_an_lm_candidate_must_beat_the_linear_router_of_the_same_episodes():
     better = report.model_copy(update={"policies": {**report.policies, "linear": _metrics("linear", 0.55, 1.8,
                                                                                          adapter="linear:tfidf-logreg")}})
     assert decide(better).decision == "promote"
+
+
+def test_a_tie_passes_only_at_a_fraction_of_the_baselines_cost():
+    # the judge ties the best single provider exactly (coarse grades); the human measure is a real gain
+    tied = make_report(cand=(0.6, 1.5), deployed_name=None)
+    cheap = tied.model_copy(update={"policies": {**tied.policies, "best_single": _metrics("best_single", 0.5, 1.5,
+                                                                                          cost=0.003)}})
+    d = decide(cheap)  # the candidate costs 0.001: a third of the best single provider's
+    assert d.decision == "promote"
+    [judge] = [c for c in d.checks if c.measure == "judge"]
+    assert judge.tie and judge.passed and judge.cost_share == pytest.approx(1 / 3)
+    assert "judge: candidate 1.5000 ties best_single (bm25-all) 1.5000 at 33% of its cost (n=10)" in d.reasons
+    # the same tie at the same cost is no gain; nor is a tie when ties are switched off
+    d = decide(tied)
+    assert d.decision == "refuse" and any("does not beat best_single (bm25-all) 1.5000 (n=10; costs 100% of it)" in r
+                                          for r in d.reasons), d.reasons
+    assert decide(cheap, tie_max_cost_share=0.0).decision == "refuse"
+    assert decide(cheap, tie_max_cost_share=0.3).decision == "refuse"
+    # a tie never excuses a loss, however cheap
+    worse = cheap.model_copy(update={"policies": {**cheap.policies, "candidate": _metrics(
+        "candidate", 0.6, 1.49, adapter="router@3", cost=0.0001, router_p99_ms=80.0)}})
+    assert decide(worse).decision == "refuse"
+    # a tie on the human measure is held to the same rule
+    human_tie = cheap.model_copy(update={"policies": {**cheap.policies, "candidate": _metrics(
+        "candidate", 0.5, 2.0, adapter="router@3", router_p99_ms=80.0)}})
+    assert decide(human_tie).decision == "promote"
+    assert decide(human_tie.model_copy(update={"policies": {**human_tie.policies, "best_single": _metrics(
+        "best_single", 0.5, 1.5, cost=0.0015)}})).decision == "refuse"  # costs 67 % of it
