@@ -26,7 +26,7 @@ class ScoreJob:
 
     entry: Any  # the AdapterEntry (None: the base model); jobs batch together when it is the same object
     prompts: list[list[int]]
-    ks: list[int]
+    ks: list[int | None]  # None: lean (the row after the prompt only)
     future: asyncio.Future
 
 
@@ -48,7 +48,7 @@ class ScoreBatcher:
     def queued(self) -> int:
         return len(self._pending)
 
-    async def score(self, entry: Any, prompts: list[list[int]], ks: list[int]) -> list[Any]:
+    async def score(self, entry: Any, prompts: list[list[int]], ks: list[int | None]) -> list[Any]:
         """The results for ``prompts``, scored with whatever else is queued for ``entry``."""
         job = ScoreJob(entry, prompts, ks, asyncio.get_running_loop().create_future())
         self._pending.append(job)

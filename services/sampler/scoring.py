@@ -16,9 +16,14 @@ few last tokens (the candidate's name). Three things keep that cheap:
   concurrent requests that share the system prompt (gathered by :mod:`services.sampler.batching`)
   share one forward.
 * **The output layer only where needed**: the decoder runs once; the output layer and the
-  log-softmax run in chunks over the tree's tokens, and only the statistics vLLM reports are kept
-  (the actual next token's logprob and 1-based vocabulary rank, the top-k), plus the full row after
-  each prompt's last token, from which the first generated token is drawn.
+  log-softmax run in chunks over the tree's tokens that need them, and only the statistics vLLM
+  reports are kept (the actual next token's logprob and 1-based vocabulary rank, the top-k), plus the
+  full row after each prompt's last token, from which the first generated token is drawn. A prompt
+  scored *lean* (``k`` None: a one-token completion without ``prompt_logprobs``, such as the router's
+  first-token decision) needs only that last row, so its other tokens skip the output layer (on
+  SmolLM2, a 49,152-wide layer: a third of a 44-token forward); a batch of lean prompts caches what
+  it forwarded as keys/values without the per-position statistics (``Prefix.stats`` None), which
+  later lean prompts reuse and prompts that want their logprobs pass over.
 
 The numbers are those of a plain forward pass over each whole prompt (same weights, same adapter,
 each token attending to the same keys): the unit tests check them against
@@ -54,7 +59,7 @@ class Prefix:
     tokens: tuple[int, ...]
     keys: list[Any]
     values: list[Any]
-    stats: list[PositionStats]
+    stats: list[PositionStats] | None  # None: cached by a lean batch (keys/values only)
     last: Any
 
     @property
@@ -81,12 +86,13 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, slot: str | None, tokens: list[int]) -> tuple[Prefix | None, int]:
+    def lookup(self, slot: str | None, tokens: list[int], *, stats: bool = True) -> tuple[Prefix | None, int]:
         """The entry sharing the most leading tokens with ``tokens`` (a full match of a shorter entry
-        wins a tie), and that shared length; (None, 0) when none shares any."""
+        wins a tie), and that shared length; (None, 0) when none shares any. ``stats``: only entries
+        that know their positions' statistics (not those a lean batch cached)."""
         best, best_key, best_rank = None, None, (0, False)
         for key, entry in self._entries.items():
-            if key[0] != slot:
+            if key[0] != slot or (stats and entry.stats is None):
                 continue
             n = shared_length(entry.tokens, tokens)
             rank = (n, n == len(entry.tokens))
@@ -216,9 +222,11 @@ class Scorer:
     def head(self) -> Any:
         return self.engine.model.get_output_embeddings()
 
-    def score(self, prompts: list[list[int]], ks: list[int], slot: str | None) -> tuple[list[Scored], ScoreInfo]:
-        """Score ``prompts`` (``ks[i]`` alternatives per position for prompt i) with ``slot``'s adapter
-        active (None: the base model); one forward per group of about ``max_forward_tokens`` new tokens."""
+    def score(self, prompts: list[list[int]], ks: list[int | None],
+              slot: str | None) -> tuple[list[Scored], ScoreInfo]:
+        """Score ``prompts`` (``ks[i]`` alternatives per position for prompt i; None: lean, only the row
+        after the prompt, no ``prompt_logprobs``) with ``slot``'s adapter active (None: the base model);
+        one forward per group of about ``max_forward_tokens`` new tokens."""
         import torch
 
         t0 = time.perf_counter()
@@ -232,13 +240,14 @@ class Scorer:
         return out, info
 
     # ------------------------------------------------------------------ one forward
-    def _score_group(self, prompts: list[list[int]], ks: list[int], slot: str | None,
+    def _score_group(self, prompts: list[list[int]], ks: list[int | None], slot: str | None,
                      info: ScoreInfo) -> list[Scored]:
         common = prompts[0]
         c = n_min = min(len(p) for p in prompts)
         for p in prompts[1:]:
             c = shared_length(common[:c], p)
-        prefix, shared = self.cache.lookup(slot, common[:c]) if c else (None, 0)
+        need_stats = any(k is not None for k in ks)  # else every prompt is lean: only the last rows
+        prefix, shared = self.cache.lookup(slot, common[:c], stats=need_stats) if c else (None, 0)
         m = 0
         if prefix is not None:
             m = shared if shared == len(prefix.tokens) else shared - 1  # its last row, or recompute one
@@ -247,10 +256,10 @@ class Scorer:
             prefix = None
         info.cache.append("miss" if prefix is None else "hit" if shared == len(prefix.tokens) else "partial")
         info.reused_tokens += m * len(prompts)
-        head_stats = prefix.stats[:m] if prefix is not None else []  # positions 0..min(m, T-1)-1
+        head_stats = prefix.stats[:m] if prefix is not None and need_stats else []  # positions 0..min(m, T-1)-1
         after_prefix: dict[int, PositionStats] = {}  # position T-1, when all of the entry is used
-        if prefix is not None and m == len(prefix.tokens):
-            k_last = max([*ks, self.top_k_cached])
+        if need_stats and prefix is not None and m == len(prefix.tokens):
+            k_last = max([*(k for k in ks if k is not None), self.top_k_cached])
             after_prefix = {t: _row_stats(prefix.last, t, k_last) for t in {p[m] for p in prompts}}
 
         rows, paths = _pack(prompts, m, self.row_tokens)
@@ -267,13 +276,16 @@ class Scorer:
         k_need = [0] * n
         keep_row = [False] * n
         for p, k, path in zip(prompts, ks, paths):
+            keep_row[path[-1]] = True
+            if k is None:  # lean: nothing about its earlier tokens
+                continue
             for j, node in enumerate(path[:-1]):
                 if p[m + j + 1] not in wanted[node]:
                     wanted[node].append(p[m + j + 1])
                 k_need[node] = max(k_need[node], k)
-            keep_row[path[-1]] = True
-        for node in range(max(snapshots, default=m + 1) - 1 - m):  # the shared nodes the snapshots keep
-            k_need[node] = max(k_need[node], self.top_k_cached)
+        if need_stats:  # the shared nodes the snapshots keep (a lean batch's snapshots keep no statistics)
+            for node in range(max(snapshots, default=m + 1) - 1 - m):
+                k_need[node] = max(k_need[node], self.top_k_cached)
         for ln in snapshots:
             keep_row[ln - 1 - m] = True
         node_stats, last_rows = self._head(hidden, wanted, k_need, keep_row)
@@ -283,11 +295,14 @@ class Scorer:
             self.cache.put(slot, Prefix(
                 tokens=tuple(common[:ln]), keys=[k[:1, :, :ln].clone() for k in kv[0]],
                 values=[v[:1, :, :ln].clone() for v in kv[1]],
-                stats=cached + [node_stats[(i, common[m + i + 1])] for i in range(ln - 1 - m)],
+                stats=cached + [node_stats[(i, common[m + i + 1])] for i in range(ln - 1 - m)] if need_stats else None,
                 last=last_rows[ln - 1 - m]))
 
         results = []
         for p, k, path in zip(prompts, ks, paths):
+            if k is None:
+                results.append(Scored([], last_rows[path[-1]]))
+                continue
             entries: list[list[tuple[int, float, int]] | None] = [None]
             for pos in range(1, len(p)):
                 if pos - 1 < len(head_stats):
@@ -337,6 +352,13 @@ class Scorer:
         stats: dict[tuple[int, int], PositionStats] = {}
         rows: dict[int, Any] = {}
         head = self.head
+        needed = [i for i in range(hidden.shape[0]) if wanted[i] or k_need[i] or keep_row[i]]
+        if len(needed) < hidden.shape[0]:  # lean prompts' inner nodes: no output layer at all
+            pick = torch.tensor(needed, dtype=torch.long)
+            sub_stats, sub_rows = self._head(hidden.index_select(0, pick), [wanted[i] for i in needed],
+                                             [k_need[i] for i in needed], [keep_row[i] for i in needed])
+            stats = {(needed[i], t): st for (i, t), st in sub_stats.items()}
+            return stats, {needed[i]: row for i, row in sub_rows.items()}
         for lo in range(0, hidden.shape[0], HEAD_CHUNK):
             hi = min(lo + HEAD_CHUNK, hidden.shape[0])
             logits = head(hidden[lo:hi]).float()

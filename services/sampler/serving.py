@@ -242,10 +242,10 @@ class Sampler:
         """The slot a decoding step runs ``entry`` through (made resident if it was evicted; lock held)."""
         return self._resident_slot(entry) if entry is not None else None
 
-    async def score(self, entry: AdapterEntry | None, prompts: list[list[int]], k: int,
+    async def score(self, entry: AdapterEntry | None, prompts: list[list[int]], k: int | None,
                     params: list[SamplingParams]) -> list[tuple[Scored, Generation]]:
-        """Every prompt token's logprob (``k`` alternatives each) and the generation after each prompt:
-        scored together with concurrent requests for the same adapter; a ``max_tokens`` of 1 is drawn
+        """Every prompt token's logprob (``k`` alternatives each; None: lean, none) and the generation after
+        each prompt: scored together with concurrent requests for the same adapter; a ``max_tokens`` of 1 is drawn
         from the scoring pass's last row, a longer one generated as usual."""
         scored = await self.batcher.score(entry, prompts, [k] * len(prompts))
 

@@ -146,7 +146,7 @@ async def create_completion(s: Sampler, req: CompletionRequest) -> dict[str, Any
         gens = await asyncio.gather(*(s.generate(entry, ids, params) for ids, params in plans))
         done = [(None, gen) for gen in gens]  # decoded together
     else:  # one scoring pass for every prompt (batched with concurrent requests), then the tokens
-        done = await s.score(entry, [ids for ids, _ in plans], req.prompt_logprobs or 0, [p for _, p in plans])
+        done = await s.score(entry, [ids for ids, _ in plans], req.prompt_logprobs, [p for _, p in plans])
         if req.prompt_logprobs is None:  # a one-token completion: the prefix cache serves it, as vLLM's does
             done = [(None, gen) for _, gen in done]
     choices, n_prompt, n_completion = [], 0, 0

@@ -299,3 +299,55 @@ def test_packing_keeps_a_querys_candidates_in_one_row_and_the_shared_tokens_firs
     assert [rows[1].position[i - 9] for i in paths[4]] == list(range(1, 8))
     one, _ = _pack(prompts, 1, row_tokens=64)
     assert len(one) == 1 and len(one[0].tokens) == 2 + 4 + 3 + 4 + 3
+
+
+# ------------------------------------------------------------------------------ lean prompts
+def test_a_lean_prompt_gets_the_last_row_and_skips_the_output_layer_elsewhere(tiny):
+    """``k`` None (a one-token completion without prompt_logprobs): the row after the prompt equals a plain
+    forward's, the output layer runs on that row alone, and what it cached serves lean prompts only."""
+    import torch
+
+    engine = Engine(tiny["base"])
+    cache = PrefixCache(capacity=4, min_tokens=4)
+    scorer = Scorer(engine, cache, top_k_cached=2)
+    head = engine.model.get_output_embeddings()
+    rows_seen: list[int] = []
+    hook = head.register_forward_hook(lambda _m, args, _out: rows_seen.append(args[0].shape[0]))
+    ids = engine.encode("You route search queries to search providers. The providers are: bio-dense, bm25-all")
+    try:
+        [lean], info = scorer.score([ids], [None], None)
+    finally:
+        hook.remove()
+    assert rows_seen == [1] and info.forwarded_tokens == len(ids)  # one output row for the whole prompt
+    assert lean.prompt_logprobs == []
+    assert torch.allclose(lean.row, reference_rows(tiny, None, ids)[-1], atol=TOL)
+    entry, shared = cache.lookup(None, ids, stats=False)
+    assert shared == len(ids) and entry is not None and entry.stats is None  # keys/values, no statistics
+    assert cache.lookup(None, ids)[0] is None  # a prompt that wants logprobs passes over it
+    # another query after the same system prompt: a lean prompt reuses the cached keys/values ...
+    other = ids[:-3] + engine.encode(" lib-bm25")[-2:]
+    [again], info = scorer.score([other], [None], None)
+    assert info.cache == ["partial"] and info.reused_tokens > 0
+    assert torch.allclose(again.row, reference_rows(tiny, None, other)[-1], atol=TOL)
+    # ... and a prompt that wants its logprobs forwards it all, numbers exact, mixed with a lean one
+    [full, lean2], info = scorer.score([other, ids], [1, None], None)
+    assert info.cache == ["miss"] and len(full.prompt_logprobs) == len(other) and lean2.prompt_logprobs == []
+    ref = reference_rows(tiny, None, other)
+    for pos in range(1, len(other)):
+        assert abs(full.prompt_logprobs[pos][0][1] - float(ref[pos - 1, other[pos]])) < TOL
+    assert torch.allclose(lean2.row, reference_rows(tiny, None, ids)[-1], atol=TOL)
+
+
+async def test_a_one_token_completion_without_prompt_logprobs_is_scored_lean(harness, tiny):
+    """The router's first-token request over HTTP: the same token and top alternatives as a plain forward."""
+    prompt = harness.router_prompts("what is a cell?")[0]
+    for _ in range(2):
+        r = await harness.client.post("/v1/completions", json={
+            "prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 3, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        row = reference_rows(tiny, None, choice["prompt_token_ids"])[-1]
+        assert choice["token_ids"] == [int(row.argmax())] and choice["prompt_logprobs"] is None
+        assert abs(choice["logprobs"]["token_logprobs"][0] - float(row.max())) < TOL
+    assert harness.metric("fanroute_sampler_score_forwards_total", cache="partial") \
+        + harness.metric("fanroute_sampler_score_forwards_total", cache="hit") >= 1  # the second reused the first
