@@ -236,6 +236,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                          for a, b in zip(chosen[f"score@{level}"], chosen[f"first-token@{level}"], strict=True)]
                 out["agreement_first_token_vs_score"] = {"same": sum(a == b for a, b in pairs), "n": len(pairs),
                                                          "share": sum(a == b for a, b in pairs) / len(pairs)}
+            out["chosen"] = chosen  # per path and level, query by query (for --reference comparisons)
+            if args.reference is not None:  # e.g. this run in bf16 against an fp32 run's K-prompt decisions
+                ref = json.loads(args.reference.read_text())["chosen"]
+                out["agreement_vs_reference"] = {"reference": str(args.reference), "reference_dtype": json.loads(
+                    args.reference.read_text())["dtype"], **{k: _agree(v, ref.get(f"score@{k.split('@')[1]}"))
+                                                           for k, v in chosen.items()}}
             m = sampler.metrics.registry
             out["sampler"] = {
                 "score_batches": m.get_sample_value("fanroute_sampler_score_batch_requests_count"),
@@ -251,6 +257,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 / max(1.0, out["sampler"]["score_requests"] or 0)
     out["loadavg_after"] = os.getloadavg()
     return out
+
+
+def _agree(mine: list[str | None], ref: list[str | None] | None) -> dict[str, Any] | None:
+    """How many of ``mine`` equal the reference run's K-prompt decisions at the same level."""
+    if ref is None or len(ref) != len(mine):
+        return None
+    same = sum(a == b for a, b in zip(mine, ref))
+    return {"same": same, "n": len(mine), "share": same / len(mine)}
 
 
 def report(out: dict[str, Any]) -> None:
@@ -272,6 +286,10 @@ def report(out: dict[str, Any]) -> None:
     agree = out.get("agreement_first_token_vs_score")
     if agree:
         print(f"first-token decision = score decision on {agree['same']}/{agree['n']} ({agree['share']:.1%})")
+    for key, a in (out.get("agreement_vs_reference") or {}).items():
+        if isinstance(a, dict):
+            print(f"{key} = the reference's ({out['agreement_vs_reference']['reference_dtype']}) score decision "
+                  f"on {a['same']}/{a['n']} ({a['share']:.1%})")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -293,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-adapter", action="store_true", help="serve the base model, no LoRA")
     p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
     p.add_argument("--progress", type=int, default=50, help="progress line every N decisions (0: none)")
+    p.add_argument("--reference", type=Path, default=None,
+                   help="an earlier run's JSON: report each path's agreement with its score-path decisions")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router_decision.json")
     args = p.parse_args(argv)
     if args.base is None:
