@@ -29,3 +29,17 @@ def test_a_short_run_reports_both_paths(tmp_path):
     assert out["sampler"]["score_requests"] >= 2 * (3 + 1)  # the score path's; first-token's come on top
     agree = out["agreement_first_token_vs_score"]
     assert agree["n"] == 6 and 0 <= agree["same"] <= 6 and set(out["ratio_score_over_first_token"]) == {"1", "2"}
+
+
+def test_a_reference_run_is_compared_decision_by_decision(tmp_path):
+    base = build_tiny_model(tmp_path / "tiny", context=4096)
+    first, second = tmp_path / "fp32.json", tmp_path / "again.json"
+    common = ["--base", str(base), "--decisions", "3", "--warmup", "1", "--concurrency", "1", "--paths",
+              "score,first-token", "--progress", "0"]
+    main([*common, "--out", str(first)])
+    main([*common, "--reference", str(first), "--out", str(second)])
+    out = json.loads(second.read_text())
+    assert set(out["chosen"]) == {"score@1", "first-token@1"} and len(out["chosen"]["score@1"]) == 3
+    agree = out["agreement_vs_reference"]
+    assert agree["reference"] == str(first) and agree["reference_dtype"] == "float32"
+    assert agree["score@1"] == {"same": 3, "n": 3, "share": 1.0}  # same weights, same queries: same decisions
