@@ -54,15 +54,28 @@ class Queries:
 
     def adapter_picks(self, adapter: Path, base: Path, pad_id: int) -> dict[str, str]:
         """episode id → the provider the adapter's scores choose."""
+        return {e: max(sorted(p), key=p.get) for e, p in self.adapter_probs(adapter, base, pad_id).items()}
+
+    def adapter_probs(self, adapter: Path, base: Path, pad_id: int) -> dict[str, dict[str, float]]:
+        """episode id → the adapter's probability per provider (softmax of its name scores)."""
         import torch
         from peft import PeftModel
 
         from services.models.load import load_causal_lm
-        from services.router.scoring import decide
+        from services.router.scoring import probabilities
         from services.trainer.route_eval import name_scores
 
         model = PeftModel.from_pretrained(load_causal_lm(base, torch.float32), str(adapter)).eval()
-        return {it.episode_id: decide(name_scores(model, it, pad_id), {}, 0.0)[0] for it in self.items}
+        return {it.episode_id: probabilities(name_scores(model, it, pad_id)) for it in self.items}
+
+    def linear_probs(self, train_episodes: Sequence[Any], seed: int = 0) -> dict[str, dict[str, float]]:
+        """episode id → the linear router's probability per provider (fitted on ``train_episodes``)."""
+        from services.common.prompt import providers_of, query_of
+        from services.router.linear import fit
+        from services.router.scoring import probabilities
+
+        router = fit(train_episodes, seed=seed)
+        return {ep.episode_id: probabilities(router.scores(query_of(ep), providers_of(ep))) for ep in self.episodes}
 
     def linear_picks(self, train_episodes: Sequence[Any], seed: int = 0) -> dict[str, str]:
         """episode id → the choice of the linear router fitted on ``train_episodes``."""
@@ -75,6 +88,16 @@ class Queries:
             scores = router.scores(query_of(ep), providers_of(ep))
             out[ep.episode_id] = max(sorted(scores), key=scores.get)
         return out
+
+
+def hedged(probs: Mapping[str, Mapping[str, float]], tau: float, fallback: str) -> dict[str, str]:
+    """The most probable provider per episode, or ``fallback`` where that probability is below ``tau``
+    (a router that hands the queries it is unsure of to the best single provider)."""
+    out = {}
+    for e, p in probs.items():
+        top = max(sorted(p), key=p.get)
+        out[e] = top if p[top] >= tau else fallback
+    return out
 
 
 def tokenizer_and_base(base_model: str) -> tuple[Any, Path, int]:

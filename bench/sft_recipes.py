@@ -13,6 +13,11 @@ the same episodes, the best single provider chosen on them, and the judge-oracle
     python bench/sft_recipes.py --episodes out/demo/train/episodes.jsonl --traces out/demo/eval/traces.jsonl \\
         --recipes first,balanced --passes 4
 
+``--hedge 0.5,0.7`` adds, after each recipe's last pass (and for the linear router), the same router
+made to hand the queries it is unsure of to the best single provider: where its top probability is
+below τ, the best single provider answers. Those rows carry the cost per query and the share handed
+over (a knob tried for the judge's measure; issue 23).
+
 Writes bench/results/sft_recipes.json and a PNG of validation nDCG by pass.
 """
 
@@ -64,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", default="first,balanced", help=f"Comma-separated, of: {', '.join(RECIPES)}")
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--val-fraction", type=float, default=0.25)
+    ap.add_argument("--hedge", default="", help="comma-separated τ: rows of each router handing queries whose top "
+                    "probability is below τ to the best single provider")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-sft-recipes"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/sft_recipes.json")
     args = ap.parse_args(argv)
@@ -72,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
 
-    from bench.routed_eval import Queries, tokenizer_and_base
+    from bench.routed_eval import Queries, hedged, tokenizer_and_base
     from services.common.dataset import write_jsonl
     from services.evaluate.baseline import choose_best_single
     from services.evaluate.inputs import load_traces_file
@@ -84,7 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     fit_file = write_jsonl(fit_eps, args.work_dir / "fit.jsonl")
     tok, base, pad_id = tokenizer_and_base(settings_for("first", fit_file, args.work_dir, None, 0).base_model)
-    q = Queries(val, {t.trace_id: t for t in load_traces_file(args.traces)}, tok)
+    traces = load_traces_file(args.traces)
+    q = Queries(val, {t.trace_id: t for t in traces}, tok)
+    cost = {c.provider: c.cost_usd for t in traces for c in t.candidates}
+    taus = [float(x) for x in args.hedge.split(",") if x.strip()]
     print(f"{len(fit_eps)} fit episodes, {len(val)} validation episodes ({len(q.human)} with qrels)", flush=True)
     best = choose_best_single(fit_eps).provider
     rows: list[dict[str, Any]] = [
@@ -92,6 +102,20 @@ def main(argv: list[str] | None = None) -> int:
         {"policy": f"best single ({best})", **q.summary({ep.episode_id: best for ep in val})},
         {"policy": "judge-oracle (the label)", **q.summary({k: v for k, v in q.labels.items() if v})},
     ]
+
+    def hedge_rows(name: str, probs: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+        out = []
+        for tau in taus:
+            picks = hedged(probs, tau, best)
+            out.append({"policy": f"{name}, hedged", "tau": tau, **q.summary(picks),
+                        "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1),
+                        "handed_over": sum(1 for p in probs.values() if max(p.values()) < tau) / max(len(probs), 1)})
+            r = out[-1]
+            print(f"{r['policy']:<28} τ {tau:.2f}: nDCG@10 {r['ndcg10']:.3f} grade {r['tier_grade']:.3f} "
+                  f"cost {r['cost']:.5f} handed over {r['handed_over']:.2f}", flush=True)
+        return out
+
+    rows += hedge_rows("linear router", q.linear_probs(fit_eps))
     for r in rows:
         print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f}", flush=True)
     for recipe in recipes:
@@ -106,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
             print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
                   f"grade {row['tier_grade']:.2f} ({row['train_s']:.0f} s) {row['shares']}", flush=True)
+            if p == args.passes and taus:
+                rows += [{**r, "pass": p} for r in hedge_rows(recipe, q.adapter_probs(init, base, pad_id))]
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"fit_episodes": len(fit_eps), "val_episodes": len(val),
                                             "val_with_qrels": len(q.human), "rows": rows}, indent=2) + "\n")
@@ -117,6 +143,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     from bench.routed_eval import finish, new_axes
 
     fig, ax = new_axes((7, 4))
+    rows = [r for r in rows if "tau" not in r]  # the hedged rows are a table, not a curve
     for name in dict.fromkeys(r["policy"] for r in rows if "pass" in r):
         pts = [(r["pass"], r["ndcg10"]) for r in rows if r["policy"] == name and "pass" in r]
         ax.plot(*zip(*pts, strict=True), marker="o", label=name)
