@@ -54,7 +54,7 @@ class Queries:
 
     def adapter_picks(self, adapter: Path, base: Path, pad_id: int) -> dict[str, str]:
         """episode id → the provider the adapter's scores choose."""
-        return {e: max(sorted(p), key=p.get) for e, p in self.adapter_probs(adapter, base, pad_id).items()}
+        return {e: top(p) for e, p in self.adapter_probs(adapter, base, pad_id).items()}
 
     def adapter_probs(self, adapter: Path, base: Path, pad_id: int) -> dict[str, dict[str, float]]:
         """episode id → the adapter's probability per provider (softmax of its name scores)."""
@@ -79,25 +79,18 @@ class Queries:
 
     def linear_picks(self, train_episodes: Sequence[Any], seed: int = 0) -> dict[str, str]:
         """episode id → the choice of the linear router fitted on ``train_episodes``."""
-        from services.common.prompt import providers_of, query_of
-        from services.router.linear import fit
+        return {e: top(p) for e, p in self.linear_probs(train_episodes, seed).items()}
 
-        router = fit(train_episodes, seed=seed)
-        out = {}
-        for ep in self.episodes:
-            scores = router.scores(query_of(ep), providers_of(ep))
-            out[ep.episode_id] = max(sorted(scores), key=scores.get)
-        return out
+
+def top(scores: Mapping[str, float]) -> str:
+    """The best-scored provider; a tie goes to the first name in sorted order."""
+    return max(sorted(scores), key=scores.get)
 
 
 def hedged(probs: Mapping[str, Mapping[str, float]], tau: float, fallback: str) -> dict[str, str]:
     """The most probable provider per episode, or ``fallback`` where that probability is below ``tau``
     (a router that hands the queries it is unsure of to the best single provider)."""
-    out = {}
-    for e, p in probs.items():
-        top = max(sorted(p), key=p.get)
-        out[e] = top if p[top] >= tau else fallback
-    return out
+    return {e: top(p) if p[top(p)] >= tau else fallback for e, p in probs.items()}
 
 
 def tokenizer_and_base(base_model: str) -> tuple[Any, Path, int]:
