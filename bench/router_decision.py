@@ -238,10 +238,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                                          "share": sum(a == b for a, b in pairs) / len(pairs)}
             out["chosen"] = chosen  # per path and level, query by query (for --reference comparisons)
             if args.reference is not None:  # e.g. this run in bf16 against an fp32 run's K-prompt decisions
-                ref = json.loads(args.reference.read_text())["chosen"]
-                out["agreement_vs_reference"] = {"reference": str(args.reference), "reference_dtype": json.loads(
-                    args.reference.read_text())["dtype"], **{k: _agree(v, ref.get(f"score@{k.split('@')[1]}"))
-                                                           for k, v in chosen.items()}}
+                ref = json.loads(args.reference.read_text())
+                out["agreement_vs_reference"] = {
+                    "reference": str(args.reference), "reference_dtype": ref["dtype"],
+                    **{k: _agree(v, ref["chosen"].get(f"score@{k.split('@')[1]}")) for k, v in chosen.items()}}
             m = sampler.metrics.registry
             out["sampler"] = {
                 "score_batches": m.get_sample_value("fanroute_sampler_score_batch_requests_count"),
@@ -315,6 +315,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="an earlier run's JSON: report each path's agreement with its score-path decisions")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router_decision.json")
     args = p.parse_args(argv)
+    if args.reference is not None and not args.reference.is_file():
+        p.error(f"--reference {args.reference}: no such file")
     if args.base is None:
         from services.models.prepare import prepare_base
 

@@ -62,6 +62,17 @@ def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed
     return TrainerSettings(**fields)
 
 
+def _taus(text: str) -> list[float]:
+    """``--hedge``: comma-separated shares in 0..1."""
+    try:
+        taus = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated numbers in 0..1, got {text!r}") from None
+    if any(not 0 <= t <= 1 for t in taus):
+        raise argparse.ArgumentTypeError(f"every τ must be within 0..1, got {text!r}")
+    return taus
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=Path, required=True, help="The TRAINING split's episodes (JSONL)")
@@ -69,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipes", default="first,balanced", help=f"Comma-separated, of: {', '.join(RECIPES)}")
     ap.add_argument("--passes", type=int, default=4)
     ap.add_argument("--val-fraction", type=float, default=0.25)
-    ap.add_argument("--hedge", default="", help="comma-separated τ: rows of each router handing queries whose top "
+    ap.add_argument("--hedge", type=_taus, default=[], help="comma-separated τ: rows of each router handing queries whose top "
                     "probability is below τ to the best single provider")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-sft-recipes"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/sft_recipes.json")
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = load_traces_file(args.traces)
     q = Queries(val, {t.trace_id: t for t in traces}, tok)
     cost = {c.provider: c.cost_usd for t in traces for c in t.candidates}
-    taus = [float(x) for x in args.hedge.split(",") if x.strip()]
+    taus = args.hedge
     print(f"{len(fit_eps)} fit episodes, {len(val)} validation episodes ({len(q.human)} with qrels)", flush=True)
     best = choose_best_single(fit_eps).provider
     rows: list[dict[str, Any]] = [

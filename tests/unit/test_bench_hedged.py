@@ -11,3 +11,14 @@ def test_below_tau_the_fallback_answers_and_ties_go_by_name():
     assert hedged(probs, 0.0, "web") == {"a": "aero", "b": "aero", "c": "aero"}
     assert hedged(probs, 0.5, "web") == {"a": "aero", "b": "web", "c": "aero"}  # 0.5 is not below 0.5
     assert hedged(probs, 0.9, "web") == {"a": "web", "b": "web", "c": "web"}
+
+
+def test_bad_hedge_values_are_refused_before_any_work(capsys):
+    import pytest
+
+    from bench.sft_recipes import main
+
+    for junk in ("0.5,x", "1.5"):
+        with pytest.raises(SystemExit):
+            main(["--episodes", "/nonexistent.jsonl", "--traces", "/nonexistent.jsonl", "--hedge", junk])
+        assert "--hedge" in capsys.readouterr().err

@@ -43,3 +43,11 @@ def test_a_reference_run_is_compared_decision_by_decision(tmp_path):
     agree = out["agreement_vs_reference"]
     assert agree["reference"] == str(first) and agree["reference_dtype"] == "float32"
     assert agree["score@1"] == {"same": 3, "n": 3, "share": 1.0}  # same weights, same queries: same decisions
+
+
+def test_a_missing_reference_is_refused_before_any_work(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--reference", str(tmp_path / "absent.json"), "--out", str(tmp_path / "out.json")])
+    assert "--reference" in capsys.readouterr().err and not (tmp_path / "out.json").exists()

@@ -172,6 +172,17 @@ def test_cli_promotes_with_evidence_and_writes_the_decision(tmp_path, publisher,
     assert decision["decision"] == "promote" and decision["promoted"] is True
 
 
+def test_cli_passes_the_tie_share_to_the_rule(tmp_path, publisher, capsys):
+    publisher.promoted_record = None  # nothing deployed, as the report says
+    tied = make_report(cand=(0.6, 1.5), deployed_name=None)  # judge tie with best single, at the same cost
+    cheap = tied.model_copy(update={"policies": {**tied.policies, "best_single": _metrics("best_single", 0.5, 1.5,
+                                                                                          cost=0.003)}})
+    assert _promote(tmp_path, cheap, "--tie-max-cost-share", "0.2") == EXIT_REFUSED  # a third is over 0.2
+    assert _promote(tmp_path, cheap) == 0  # the default half
+    assert "ties best_single (bm25-all) 1.5000 at 33% of its cost" in capsys.readouterr().out
+    assert json.loads((tmp_path / "ev" / "decision.json").read_text())["tie_max_cost_share"] == 0.5
+
+
 def test_cli_refuses_with_reasons_and_a_distinct_exit(tmp_path, publisher, capsys):
     assert _promote(tmp_path, make_report(cand=(0.6, 1.0))) == EXIT_REFUSED == 3
     out = capsys.readouterr().out
@@ -205,6 +216,11 @@ def test_cli_bad_input(tmp_path, publisher, capsys):
     with pytest.raises(SystemExit):
         main([*base, "--candidate", "router@3", "--max-fallback-share", "1.5"])
     assert "must be within 0..1, got 1.5" in capsys.readouterr().err
+    for junk in ("2", "half"):  # the tie clause's cost share: a share, or a clear refusal naming the flag
+        with pytest.raises(SystemExit):
+            main([*base, "--candidate", "router@3", "--tie-max-cost-share", junk])
+        assert "--tie-max-cost-share" in capsys.readouterr().err
+    assert json.loads((tmp_path / "ev" / "eval.json").read_text())["inputs"]["candidate"] == "router@3"  # untouched
 
 
 @pytest.mark.parametrize("status, code", [(503, 1), (404, 2)])
