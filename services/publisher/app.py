@@ -136,6 +136,7 @@ class Publisher:
         self.base_url = settings.public_url.rstrip("/")
         self._lock = asyncio.Lock()  # one writer of manifests; also keeps the sweep off a pending POST
         self._checker: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
 
     async def start(self) -> None:
         await self.bus.start((topic("adapters"),))
@@ -146,10 +147,17 @@ class Publisher:
         self._checker = asyncio.create_task(self._reconcile_forever(), name="publisher:stamp-check")
 
     async def stop(self) -> None:
+        """Stop the stamp check, then the bus and Redis.
+
+        The check also watches ``_stopping``: a cancellation that lands inside a Redis call can be
+        absorbed by the client, and a bare ``cancel()`` then left the loop sleeping forever (the
+        shutdown hung). ``asyncio.wait`` does not re-raise the check's own CancelledError, so a
+        cancellation of ``stop`` itself still propagates.
+        """
+        self._stopping.set()
         if self._checker is not None:
             self._checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checker
+            await asyncio.wait({self._checker})
         await self.bus.stop()
         await self.stamps.close()
 
@@ -223,8 +231,11 @@ class Publisher:
         return restored
 
     async def _reconcile_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.stamp_check_s)
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):  # the interval passed without a stop: check again
+                await asyncio.wait_for(self._stopping.wait(), self.settings.stamp_check_s)
+            if self._stopping.is_set():
+                return
             try:
                 await self.reconcile()
             except Exception as exc:  # noqa: BLE001 - Redis away: the next round tries again
