@@ -12,12 +12,16 @@ Where they come from, first match wins:
 are missing). Nothing starts until a test asks for it, so ``pytest tests/unit`` starts
 nothing; what the session started is stopped at its end. A test marked ``kafka``/``redis``
 whose service cannot be started FAILS with the reason and the broker log; it is never skipped.
+
+Tests marked ``docker`` (the docker sandbox backend) get a Docker daemon the same way: one that answers, or
+``scripts/docker.sh start`` (as root), or the test fails with why (tests/support/docker_engine.py).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import uuid
 from pathlib import Path
@@ -32,7 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_LIBS = REPO / ".stack" / "kafka-libs"
 KAFKA_IMAGE = "apache/kafka:4.1.1"
 REDIS_IMAGE = "redis:7"
-_MARKED = {"kafka": "kafka_bootstrap", "redis": "redis_url"}
+_MARKED = {"kafka": "kafka_bootstrap", "redis": "redis_url", "docker": "docker_engine"}
 _FAIL_PREFIX = "[fanroute tests]"
 
 
@@ -212,6 +216,42 @@ def kafka_bootstrap(_services: _Services) -> str:
 def redis_url(_services: _Services) -> str:
     """``redis://`` URL of a real Redis for this session."""
     return _require(_services, "redis")
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Any:
+    """A docker SDK client of a Docker daemon that answers (started by scripts/docker.sh if none did)."""
+    from tests.support.docker_engine import EngineUnavailable, ensure_engine
+
+    try:
+        return ensure_engine()
+    except EngineUnavailable as exc:
+        reason = str(exc)
+    pytest.fail(f"{_FAIL_PREFIX} docker is needed but unavailable:\n{reason}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def docker_harness_image(docker_engine: Any) -> str:
+    """The image the replay tasks' ``python:3.11-slim`` is mapped to: the local stand-in plus ``openai``."""
+    from tests.support.docker_engine import harness_image
+
+    return harness_image(docker_engine)
+
+
+@pytest.fixture(params=[pytest.param("bwrap", marks=pytest.mark.skipif(
+                            shutil.which("bwrap") is None, reason="bubblewrap is not installed "
+                            "(scripts/bootstrap.sh installs it)")),
+                        pytest.param("docker", marks=pytest.mark.docker)])
+def sandbox_backend(request: pytest.FixtureRequest) -> Any:
+    """Each sandbox backend's settings in turn: bwrap, and docker with the replay tasks' base image mapped to
+    :func:`docker_harness_image`."""
+    if request.param == "docker":
+        from tests.support.docker_engine import docker_sandbox
+
+        return docker_sandbox(request.getfixturevalue("docker_harness_image"))
+    from services.rollouts.settings import BwrapSandbox
+
+    return BwrapSandbox()
 
 
 @pytest.fixture

@@ -26,6 +26,12 @@ class TransientError(FanrouteError, ConnectionError):
     """
 
 
+class SandboxError(FanrouteError, OSError):
+    """A rollout's sandbox could not be made or driven: a task image that will not build, a daemon that refuses a
+    container. The rollout ends ``sandbox_failed`` with the harness_crashed terminal reward (an ``OSError``, as
+    the other sandbox failures are)."""
+
+
 class ProviderError(FanrouteError, RuntimeError):
     """A search provider failed to answer; the gateway records it on the candidate."""
 

@@ -21,11 +21,14 @@ from services.common.reward_contract import GraderRun, apply_contract
 from services.common.rewards import TaskCostsError, cost_aware, task_costs
 from services.rollouts.forward import RelayForward
 from services.rollouts.relay_client import RelayAdmin
-from services.rollouts.sandbox import Bubblewrap, Sandbox, Workspace
+from services.rollouts.sandbox import Sandbox, Workspace
 from services.rollouts.settings import RolloutSettings
 
 log = logging.getLogger(__name__)
 VERIFIER = ("bash", "/tests/test.sh")
+# The verifier shares /root with the harness that ran before it: no usercustomize or .pth the harness left in
+# the user site-packages (~/.local) may run in the grader's Python.
+VERIFIER_ENV = {"PYTHONNOUSERSITE": "1"}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,7 @@ def _harness_verdict(run: CommandRun, settings: RolloutSettings) -> tuple[Outcom
     """The terminal outcome of a harness run that does not reach the verifier, or None (it exited 0)."""
     t = settings.terminal_rewards
     if run.timed_out:
-        return "timed_out", t.timed_out, f"harness timed out after {run.timeout_s:g}s (process group killed)"
+        return "timed_out", t.timed_out, f"harness timed out after {run.timeout_s:g}s (killed with all it started)"
     if run.exit_code == settings.harness.context_exhausted_exit_code:
         return "context_exhausted", t.context_exhausted, f"harness ran out of context: {_tail(run.stderr)}"
     if run.exit_code != 0:
@@ -109,17 +112,17 @@ async def run_rollout(settings: RolloutSettings, sandbox: Sandbox, admin: RelayA
     token: str | None = None
     try:
         token = await admin.mint(trace_id, settings.credential_ttl_s)
-        forward: contextlib.AbstractAsyncContextManager = (
-            RelayForward(ws.socket, settings.relay_url) if isinstance(sandbox, Bubblewrap)
-            else contextlib.nullcontext())
         try:
             await sandbox.prepare(ws)
             env = harness_env(sandbox.relay_base_url, trace_id, token, settings)
             budget = min(settings.command_timeout_s, agent_s, deadline - time.monotonic())
-            async with forward as fwd:
+            if budget <= 0:  # the sandbox took the whole budget to start (a long image build)
+                return done("timed_out", settings.terminal_rewards.timed_out, "terminal", False,
+                            f"the rollout's budget ({settings.sandbox_timeout_s:g}s) ran out before the harness")
+            async with RelayForward(ws.socket, settings.relay_url) as fwd:  # every backend binds this socket in
                 harness = await sandbox.run(ws, "harness", settings.harness.command, env, budget, limit)
-            connections = getattr(fwd, "connections", 0)
-        except OSError as exc:  # bwrap missing, no room for the workspace, the image would not build ...
+            connections = fwd.connections
+        except OSError as exc:  # bwrap missing, no room for the workspace, the image would not build (SandboxError)
             log.error("rollout %s: the sandbox failed: %s", trace_id, exc)
             return done("sandbox_failed", settings.terminal_rewards.harness_crashed, "terminal", True,
                         f"sandbox failed: {type(exc).__name__}: {exc}")
@@ -134,7 +137,7 @@ async def run_rollout(settings: RolloutSettings, sandbox: Sandbox, admin: RelayA
                         f"the rollout's budget ({settings.sandbox_timeout_s:g}s) ran out before the verifier", **common)
         v_budget = min(settings.command_timeout_s, verifier_s, left)
         try:
-            vrun = await sandbox.run(ws, "verifier", VERIFIER, {}, v_budget, limit)
+            vrun = await sandbox.run(ws, "verifier", VERIFIER, VERIFIER_ENV, v_budget, limit)
         except OSError as exc:
             return done("sandbox_failed", 0.0, "terminal", True, f"the verifier could not start: {exc}", **common)
         result = apply_contract(ws.logs / "verifier", GraderRun(vrun.exit_code, vrun.stdout, vrun.stderr,

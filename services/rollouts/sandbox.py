@@ -240,4 +240,6 @@ def make_sandbox(settings: object, harness: HarnessSettings) -> Sandbox:
         return box
     from services.rollouts.docker_sandbox import Docker
 
-    return Docker(settings, harness)  # type: ignore[arg-type]
+    docker = Docker(settings, harness)  # type: ignore[arg-type]
+    docker.check()
+    return docker

@@ -1,7 +1,7 @@
 """Rollout runner settings: the relay, the group shape, timeouts, terminal rewards, the harness and the sandbox.
 
-The sandbox backend is a discriminated union on ``type``: ``bwrap`` (bubblewrap, no daemon needed; the
-tested one) or ``docker`` (the task's Dockerfile through the docker SDK; present, not tested here).
+The sandbox backend is a discriminated union on ``type``: ``bwrap`` (bubblewrap, no daemon needed) or
+``docker`` (a container built from the task's Dockerfile through the docker SDK; needs a daemon).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, model_validator
 
 from schemas.adapter import MODEL_ID_PATTERN
 from services.common.rewards import DEFAULT_COST_WEIGHT, RewardComponent
@@ -19,15 +19,16 @@ HARNESS_DIR = Path(__file__).resolve().parent / "harness"
 
 
 class HarnessSettings(BaseModel):
-    """What runs in the sandbox: a directory (bwrap; bound read-only at ``/harness``) or an image (docker),
+    """What runs in the sandbox: a directory (bound read-only at ``/harness`` by bwrap, copied there by docker)
     and a command, launched with stdin closed and the instruction at ``/root/instruction.md``."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str = Field(default="router", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
                       description="The harness's name on the rollout records")
-    directory: Path = Field(default=HARNESS_DIR, description="bwrap: the harness's files, bound read-only at /harness")
+    directory: Path = Field(default=HARNESS_DIR,
+                            description="The harness's files, at /harness (bwrap binds them read-only, docker copies)")
     image: str | None = Field(default=None, min_length=1, max_length=512,
-                              description="docker: the harness image (default: the task's image + /harness mounted)")
+                              description="docker: run in this image instead of building the task's Dockerfile")
     command: tuple[str, ...] = Field(default=("python3", "/harness/router.py"), min_length=1, max_length=64,
                                      description="argv inside the sandbox (PATH holds the interpreter's bin)")
     max_tokens: int = Field(default=48, ge=1, le=8192,
@@ -39,6 +40,10 @@ class HarnessSettings(BaseModel):
         default=3, ge=1, le=255,
         description="A harness exiting with this status ran out of context (the router harness does so when the "
                     "relay refuses a prompt as too long)")
+
+
+RelayPort = Annotated[int, Field(ge=1, le=65535, description="The loopback port inside the sandbox that forwards "
+                                                             "to the relay (sandbox_init.py listens on it)")]
 
 
 class BwrapSandbox(BaseModel):
@@ -60,23 +65,45 @@ class BwrapSandbox(BaseModel):
                            description="RLIMIT_AS of the sandbox's processes in MiB (0 = unlimited)")
     file_size_mb: int = Field(default=256, ge=0, le=1_048_576,
                               description="RLIMIT_FSIZE: the largest file a sandboxed process may write (0 = unlimited)")
-    relay_port: int = Field(default=8020, ge=1, le=65535,
-                            description="The loopback port inside the sandbox that forwards to the relay")
+    relay_port: RelayPort = 8020
+
+
+# A Docker image reference: [host[:port]/]path[:tag][@sha256:digest], as the engine's reference grammar has it.
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_HOST = r"(?:[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)*(?::[0-9]+)?/)?"
+IMAGE_REF_PATTERN = rf"^{_HOST}{_PATH_PART}(?:/{_PATH_PART})*(?::\w[\w.-]{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?$"
+ImageRef = Annotated[str, StringConstraints(pattern=IMAGE_REF_PATTERN, max_length=255)]
+DockerfileLine = Annotated[str, StringConstraints(pattern=r"^[^\r\n]+$", max_length=4096)]
 
 
 class DockerSandbox(BaseModel):
-    """The task's ``environment/Dockerfile`` built and run through the docker SDK (untested on these machines)."""
+    """One container per rollout built from the task's ``environment/Dockerfile`` (docker_sandbox.py): no network
+    but the relay's socket, memory/swap, PID and CPU limits, every capability dropped, a read-only root."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     type: Literal["docker"] = "docker"
     base_url: str | None = Field(default=None, max_length=512,
                                  description="Docker daemon URL (default: DOCKER_HOST or the local socket)")
-    network: str = Field(default="bridge", min_length=1, max_length=128,
-                         description="The container's network (it must reach relay_url_for_containers)")
-    relay_url_for_containers: str = Field(
-        default="http://host.docker.internal:8020", pattern=r"^https?://[^\s/]+$", max_length=512,
-        description="The relay as a container reaches it")
-    memory_mb: int = Field(default=1024, ge=64, le=1_048_576, description="Container memory limit in MiB")
+    base_images: dict[ImageRef, ImageRef] = Field(
+        default_factory=dict, max_length=64,
+        description='FROM-line substitutions applied to the task\'s Dockerfile before it is built, e.g. '
+                    '{"python:3.11-slim": "fanroute/python:3.11-local"} where the official images cannot be '
+                    'pulled (images are never pulled at build time); the image tag\'s hash covers the rewritten text')
+    harness_layer: tuple[DockerfileLine, ...] = Field(
+        default=(), max_length=64,
+        description="Dockerfile lines appended to the task's Dockerfile for the harness's own dependencies (the "
+                    "router harness needs only `openai`, e.g. RUN pip install --no-cache-dir 'openai>=1.40'); "
+                    "empty: the (mapped) base image must already have them")
+    relay_port: RelayPort = 8020
+    memory_mb: int = Field(default=1024, ge=64, le=1_048_576,
+                           description="The container's memory limit in MiB, swap included (memswap = memory)")
+    pids_limit: int = Field(default=512, ge=16, le=4_194_304,
+                            description="The most processes and threads the container may hold at once")
+    cpus: float = Field(default=1.0, ge=0.05, le=1024, description="CPU cores' worth of time the container may use")
+    tmp_mb: int = Field(default=256, ge=1, le=1_048_576, description="Size of the container's /tmp (a tmpfs) in MiB")
+    copy_out_mb: int = Field(default=64, ge=1, le=4096,
+                             description="The most of /app or of /logs/<phase> copied back out of the container "
+                                         "after a command (a larger tree is not copied, and the run says so)")
 
 
 SandboxSettings = Annotated[BwrapSandbox | DockerSandbox, Field(discriminator="type")]

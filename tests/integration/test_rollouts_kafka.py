@@ -1,13 +1,13 @@
 """The rollout runner on the real broker and redis-server: a task on ``tasks`` becomes a group of 2 rollouts
-of the shipped router harness (official OpenAI SDK) in bubblewrap, through the real relay (admin routes for
-the one-episode credentials and the episode end) in front of the real CPU sampler serving ``router@1`` (the
-Redis stamp); the group on ``rollouts`` carries each rollout's harness output, calls, datums and reward."""
+of the shipped router harness (official OpenAI SDK) in each sandbox backend (bubblewrap; Docker, a container
+built from the task's Dockerfile), through the real relay (admin routes for the one-episode credentials and
+the episode end) in front of the real CPU sampler serving ``router@1`` (the Redis stamp); the group on
+``rollouts`` carries each rollout's harness output, calls, datums and reward."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import uuid
 
 import httpx
@@ -31,12 +31,12 @@ from services.common.adapter_files import dir_digest
 from tests.support.tiny_model import build_lora_adapter, build_tiny_model
 from tests.support.topics import wait_for_records
 
-pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow,
-              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")]
+pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
 ADMIN = "rollouts-admin-token"
 
 
-async def test_a_task_becomes_a_group_of_rollouts_with_calls_datums_and_rewards(kafka_bootstrap, redis_url, tmp_path):
+async def test_a_task_becomes_a_group_of_rollouts_with_calls_datums_and_rewards(kafka_bootstrap, redis_url, tmp_path,
+                                                                                 sandbox_backend):
     ns = f"ro{uuid.uuid4().hex[:8]}."
     kafka, redis = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=ns), RedisSettings(url=redis_url)
     base = build_tiny_model(tmp_path / "base", context=4096)
@@ -60,7 +60,8 @@ async def test_a_task_becomes_a_group_of_rollouts_with_calls_datums_and_rewards(
         url, _ = await stack.enter_async_context(relay_served(relay))
         settings = RolloutSettings(kafka=kafka, redis=redis, relay_url=url, admin_token=ADMIN, model_id="router",
                                    group_size=2, max_parallel=2, sandbox_timeout_s=120, command_timeout_s=90,
-                                   work_dir=tmp_path, group_id=f"rollouts-{ns}".rstrip(".").lower())
+                                   work_dir=tmp_path, group_id=f"rollouts-{ns}".rstrip(".").lower(),
+                                   sandbox=sandbox_backend)
         running = asyncio.create_task(worker.run(settings, stop))
         try:
             await publish_once(kafka, topic("tasks"), task, client_id="test")
@@ -72,7 +73,7 @@ async def test_a_task_becomes_a_group_of_rollouts_with_calls_datums_and_rewards(
 
     group = groups[0]
     assert (group.task_id, group.model_id, group.adapter_version, group.sandbox, group.harness) == (
-        task.task_id, "router", 1, "bwrap", "router")
+        task.task_id, "router", 1, sandbox_backend.type, "router")
     assert len(group.rollouts) == 2 and group.reward_mean == pytest.approx(sum(group.rewards_G) / 2)
     for ro in group.rollouts:
         # the harness ran to the end, made its one call through the forwarded socket, and the verifier scored it

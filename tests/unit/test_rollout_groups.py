@@ -1,11 +1,10 @@
 """Groups (stamp at start, advantage = reward - mean, uniform groups reported and counted, max_parallel and
-its ceiling) and the router harness's reading of a replay task, against the real bwrap sandbox."""
+its ceiling) and the router harness's reading of a replay task, against each real sandbox backend (bwrap, docker)."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,10 @@ from services.common.stamps import MemoryStampStore
 from services.episodes.tasks import build_task, instruction
 from services.rollouts.group import UNIFORM, GroupRunner, advantages, ceiling_report
 from services.rollouts.relay_client import Ended
-from services.rollouts.sandbox import Bubblewrap
+from services.rollouts.sandbox import make_sandbox
 from services.rollouts.settings import HARNESS_DIR, HarnessSettings, RolloutSettings
 from tests.support.records import NOW, judged_trace, verdict_for
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 spec = importlib.util.spec_from_file_location("router_harness", HARNESS_DIR / "router.py")
 harness_mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(harness_mod)
@@ -77,28 +75,28 @@ class EndingAdmin:
         return Ended(note="no relay calls recorded for this rollout")
 
 
-async def group_of(tmp_path: Path, script: str, **kw):
+async def group_of(tmp_path: Path, backend, script: str, **kw):
     d = tmp_path / "h"
     d.mkdir(exist_ok=True)
     (d / "h.sh").write_text(script)
     settings = RolloutSettings(harness=HarnessSettings(name="scripted", directory=d, command=("bash", "/harness/h.sh")),
-                               admin_token="x", work_dir=tmp_path, model_id="router", **kw)
+                               admin_token="x", work_dir=tmp_path, model_id="router", sandbox=backend, **kw)
     stamps = MemoryStampStore()
     for _ in range(3):
         await stamps.incr("router")
     admin = EndingAdmin()
-    runner = GroupRunner(settings, Bubblewrap(settings.sandbox, settings.harness), admin, stamps)
+    runner = GroupRunner(settings, make_sandbox(settings.sandbox, settings.harness), admin, stamps)
     group = await runner.run_group(build_task(judged_trace(), verdict_for("t-1"), now=NOW), "g-test")
     return group, runner, admin
 
 
-@needs_bwrap
-async def test_a_group_is_stamped_and_gets_advantages_with_max_parallel_held(tmp_path):
+async def test_a_group_is_stamped_and_gets_advantages_with_max_parallel_held(tmp_path, sandbox_backend):
     script = ('case "$FANROUTE_BASE_URL" in *-0) a="bm25-all = eng-bm25 > dense-all > lib-bm25";;'
               ' *-1) a="lib-bm25 > dense-all > bm25-all = eng-bm25";; *) a="nonsense";; esac\n'
               'echo "$a" > /app/answer.txt\n')
-    group, runner, admin = await group_of(tmp_path, script, group_size=3, max_parallel=1)
-    assert (group.adapter_version, group.model_id, group.sandbox, group.uniform) == (3, "router", "bwrap", False)
+    group, runner, admin = await group_of(tmp_path, sandbox_backend, script, group_size=3, max_parallel=1)
+    assert (group.adapter_version, group.model_id, group.sandbox, group.uniform) == (
+        3, "router", sandbox_backend.type, False)
     rewards = group.rewards_G
     assert rewards[0] == 1.0 and 0 < rewards[1] < 1 and rewards[2] == 0.0
     assert group.reward_mean == pytest.approx(sum(rewards) / 3)
@@ -109,10 +107,10 @@ async def test_a_group_is_stamped_and_gets_advantages_with_max_parallel_held(tmp
     assert all("no relay calls" in r.reason for r in group.rollouts)  # this scripted harness never called
 
 
-@needs_bwrap
-async def test_a_uniform_group_is_reported_and_counted(tmp_path, caplog):
+async def test_a_uniform_group_is_reported_and_counted(tmp_path, sandbox_backend, caplog):
     caplog.set_level(logging.INFO, logger="services.rollouts.group")
-    group, runner, admin = await group_of(tmp_path, 'echo "bm25-all > eng-bm25" > /app/answer.txt\n', group_size=2)
+    group, runner, admin = await group_of(tmp_path, sandbox_backend, 'echo "bm25-all > eng-bm25" > /app/answer.txt\n',
+                                          group_size=2)
     assert group.uniform and len(set(group.rewards_G)) == 1 and set(admin.ended.values()) == {0.0}
     assert runner.metrics.uniform_groups == 1 and runner.metrics.peak_in_flight == 2
     assert any(UNIFORM in r.getMessage() for r in caplog.records)
