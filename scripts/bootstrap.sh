@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Make a fresh Debian machine able to run fanroute's tests and demo, idempotently:
 #   1. system packages (apt): redis-server, a Java 17+ runtime, Maven, bubblewrap (the rollout
-#      runner's sandbox), and docker-compose (only to
-#      validate compose.yaml in the tests, no Docker engine), chromium and chromium-driver (the console's
-#      browser test) — only those missing;
+#      runner's sandbox), chromium and chromium-driver (the console's browser test) — only those
+#      missing; then a Docker engine (Debian's docker.io) and Compose v2 (built from its pinned Go
+#      module, cached) through scripts/docker.sh install — the docker sandbox tests and
+#      `docker compose config`; the engine is started by the tests that need it;
 #   2. the project itself: `pip install -e '.[dev]'` — only when something it needs is missing
 #      or does not satisfy pyproject.toml;
 #   3. the Kafka broker jars from Maven Central (python -m devstack prepare) —
@@ -26,8 +27,6 @@ fi
 command -v mvn >/dev/null 2>&1 || missing+=(maven)
 # bubblewrap: the rollout runner's sandbox where no Docker daemon answers (services/rollouts/sandbox.py).
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
-# Debian's docker-compose validates compose.yaml (`docker-compose config -q`) without an engine.
-command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 # chromium + its driver: the console's browser test (tests/integration/test_console_browser.py).
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || missing+=(chromium-driver)
@@ -42,8 +41,11 @@ if ((${#missing[@]})); then
     "${SUDO[@]}" apt-get update -q
     DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
 else
-    say "redis-server, java, mvn, bwrap, docker-compose and chromium already installed"
+    say "redis-server, java, mvn, bwrap and chromium already installed"
 fi
+
+# A Docker engine and Compose v2 (idempotent; ~2 min the first time, for Compose's Go build).
+bash scripts/docker.sh install
 
 java_major=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java.specification.version = //p' | cut -d. -f1)
 if [[ -z "$java_major" || "$java_major" -lt 17 ]]; then

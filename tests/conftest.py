@@ -3,10 +3,15 @@
 Where they come from, first match wins:
 
 1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` in the environment (CI or a stack you run);
-2. containers (``apache/kafka:4.1.1``, ``redis:7``) through testcontainers, only when a
-   Docker daemon answers and the optional ``testcontainers`` package is installed;
-3. the project's own local stack (``devstack``): broker data in a session temp
-   dir, jars from the shared cache ``<repo>/.stack/kafka-libs``, any free ports.
+2. the project's own local stack (``devstack``): broker data in a session temp
+   dir, jars from the shared cache ``<repo>/.stack/kafka-libs``, any free ports;
+3. with ``FANROUTE_TEST_STACK=docker``: containers started through testcontainers from the
+   local images ``scripts/docker.sh images`` builds offline (``fanroute/kafka:4.1.1-local``,
+   ``fanroute/redis:7.0-local``; ``FANROUTE_TEST_KAFKA_IMAGE`` / ``FANROUTE_TEST_REDIS_IMAGE``
+   name others, e.g. the official ones where Docker Hub answers). Never pulled: a missing
+   image fails with the command that builds it. ``.ci/run`` runs the broker and Redis
+   integration tests this way once; the rest of the suite runs on devstack's processes, whose
+   pids the fault tests signal directly.
 
 ``FANROUTE_TEST_STACK=env|docker|local`` forces a source (``env`` = fail if the variables
 are missing). Nothing starts until a test asks for it, so ``pytest tests/unit`` starts
@@ -34,8 +39,8 @@ from tests.support.serving import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_LIBS = REPO / ".stack" / "kafka-libs"
-KAFKA_IMAGE = "apache/kafka:4.1.1"
-REDIS_IMAGE = "redis:7"
+KAFKA_IMAGE = os.environ.get("FANROUTE_TEST_KAFKA_IMAGE", "fanroute/kafka:4.1.1-local")
+REDIS_IMAGE = os.environ.get("FANROUTE_TEST_REDIS_IMAGE", "fanroute/redis:7.0-local")
 _MARKED = {"kafka": "kafka_bootstrap", "redis": "redis_url", "docker": "docker_engine"}
 _FAIL_PREFIX = "[fanroute tests]"
 
@@ -87,20 +92,17 @@ class _Services:
             return "env"
         if forced == "env":
             raise ServiceUnavailable(f"FANROUTE_TEST_STACK=env but {env_var} is not set")
-        if forced == "local":
+        if forced != "docker":
             return "local"
-        if _docker_daemon_answers():
-            try:
-                import testcontainers.core.container  # noqa: F401 - optional dependency
-            except ImportError:
-                if forced == "docker":
-                    raise ServiceUnavailable("FANROUTE_TEST_STACK=docker but the optional "
-                                             "`testcontainers` package is not installed") from None
-                return "local"
-            return "docker"
-        if forced == "docker":
-            raise ServiceUnavailable("FANROUTE_TEST_STACK=docker but no Docker daemon answers")
-        return "local"
+        if not _docker_daemon_answers():
+            raise ServiceUnavailable("FANROUTE_TEST_STACK=docker but no Docker daemon answers "
+                                     "(bash scripts/docker.sh start)")
+        try:
+            import testcontainers.core.container  # noqa: F401 - the dev extra installs it
+        except ImportError:
+            raise ServiceUnavailable("FANROUTE_TEST_STACK=docker but the `testcontainers` package is not "
+                                     "installed (pip install -e '.[dev]')") from None
+        return "docker"
 
     def get(self, name: str) -> str:
         if name in self._endpoints:
@@ -134,8 +136,17 @@ class _Services:
         return endpoint
 
     def _start_container(self, name: str) -> str:
+        # No Ryuk reaper: its image would be pulled; close() stops what the session started.
+        os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        import docker
         from testcontainers.core.container import DockerContainer
 
+        image = REDIS_IMAGE if name == "redis" else KAFKA_IMAGE
+        try:
+            docker.from_env().images.get(image)
+        except docker.errors.ImageNotFound:
+            raise ServiceUnavailable(f"image {image} is not on this machine (nothing is pulled): build the local "
+                                     f"images with `bash scripts/docker.sh images`") from None
         port = free_port()
         if name == "redis":
             container = DockerContainer(REDIS_IMAGE).with_bind_ports(6379, port)
