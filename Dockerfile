@@ -39,8 +39,11 @@ RUN --mount=type=cache,target=/root/.cache/pip pip install --no-deps . && rm -rf
 # The embedded default's test collections (compose mounts the checkout's copy over it).
 COPY data ./data
 
+# The compose volumes' mount points, owned by the service user: a named volume starts as a copy of the
+# image's directory (owner included), so the services can write their caches, spool and stores.
 RUN useradd --create-home --uid 10001 fanroute \
-    && mkdir -p /cache && chown fanroute /cache
+    && mkdir -p /cache /judge-cache /spool /adapters /adapters-store \
+    && chown fanroute /cache /judge-cache /spool /adapters /adapters-store
 USER fanroute
 
 ENV FANROUTE_HOST=0.0.0.0 \
@@ -49,7 +52,7 @@ ENV FANROUTE_HOST=0.0.0.0 \
     FANROUTE_COLLECTIONS_DIR=/app/data/collections
 EXPOSE 8000
 
-HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=6 \
-    CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/healthz', timeout=4)"]
+# No image-level HEALTHCHECK: every service runs from this image and only some serve HTTP (the judge,
+# the episode builder and the rollout runner do not); compose.yaml gives each HTTP service its own.
 
 CMD ["python", "-m", "services.gateway"]

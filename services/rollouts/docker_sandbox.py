@@ -45,7 +45,7 @@ import tarfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypeVar
 
 from schemas.base import content_id
@@ -136,6 +136,29 @@ def _failing(what: str) -> Iterator[None]:
         raise
     except Exception as exc:
         raise SandboxError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+#: tarfile's extraction filters arrived in 3.11.4; Debian bookworm's python3 (the local image) is 3.11.2.
+_FILTER_ERRORS: tuple[type[BaseException], ...] = (getattr(tarfile, "FilterError", ValueError), ValueError)
+
+
+def _extract(tar: tarfile.TarFile, member: tarfile.TarInfo, dest: Path) -> None:
+    """Extract one regular file or directory under ``dest`` (the ``data`` filter, or its core where absent)."""
+    if hasattr(tarfile, "data_filter"):
+        tar.extract(member, dest, filter="data")
+        return
+    parts = PurePosixPath(member.name).parts
+    if PurePosixPath(member.name).is_absolute() or ".." in parts or not (member.isfile() or member.isdir()):
+        raise ValueError(f"refused tar member {member.name!r}")
+    target = dest.joinpath(*parts)
+    if member.isdir():
+        target.mkdir(parents=True, exist_ok=True)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    source = tar.extractfile(member)
+    assert source is not None  # a regular file
+    target.write_bytes(source.read())
+    target.chmod(member.mode & 0o755 | 0o600)
 
 
 class _Output:
@@ -295,8 +318,8 @@ class Docker:
                     skipped.append(member.name)
                     continue
                 try:
-                    tar.extract(member, dest, filter="data")
-                except (tarfile.FilterError, OSError):
+                    _extract(tar, member, dest)
+                except (*_FILTER_ERRORS, OSError):
                     skipped.append(member.name)
         return f"not copied out of {src}: {', '.join(skipped)[:300]}" if skipped else None
 

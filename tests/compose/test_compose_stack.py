@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -54,9 +56,13 @@ async def test_the_whole_stack_serves_judges_builds_episodes_and_rolls_out_in_do
     models = tmp_path / "models"
     base = build_tiny_model(models / MODEL)
     adapter = build_lora_adapter(base, tmp_path / "adapter", seed=1)
+    for path in models.rglob("*"):  # safetensors writes 0600; the services read /models as uid 10001
+        path.chmod(0o755 if path.is_dir() else 0o644)
     t0 = time.monotonic()
     # Half the requests fan out (fresh traces for the judge); the rest are routed by the promoted router.
-    with compose_stack(models, MODEL, tmp_path / "rollouts", FANROUTE_FANOUT_FRACTION="0.5",
+    # A short host path: each rollout's relay socket lives under it, and AF_UNIX paths stop at 107 bytes.
+    work = Path(tempfile.mkdtemp(prefix="fr-", dir="/var/tmp"))
+    with compose_stack(models, MODEL, work, FANROUTE_FANOUT_FRACTION="0.5",
                        FANROUTE_GROUP_SIZE="2") as stack:
         kafka = KafkaSettings(bootstrap_servers=stack.kafka_bootstrap)
 
@@ -115,6 +121,7 @@ async def test_the_whole_stack_serves_judges_builds_episodes_and_rolls_out_in_do
                   "image_bytes": stack.image_sizes(), "traces": len(traces), "verdicts": len(verdicts),
                   "episodes": len(episodes), "tasks": len(tasks), "rollout_groups": len(groups),
                   "rollout_outcomes": sorted(r.outcome for g in groups for r in g.rollouts)}
+    shutil.rmtree(work, ignore_errors=True)
     record["timings_s"]["down_s"] = stack.timings.get("down_s")
     out = REPO / "out" / "compose"
     out.mkdir(parents=True, exist_ok=True)

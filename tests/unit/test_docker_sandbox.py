@@ -213,3 +213,34 @@ async def test_the_pid_limit_holds(tmp_path, docker_harness_image):
     run = await roll(tmp_path, docker_sandbox(docker_harness_image, pids_limit=32), script)
     forked = int(run.harness.stdout.split()[1])
     assert 0 < forked < 32 and run.outcome == "completed"
+
+
+@pytest.mark.parametrize("filters", [True, False], ids=["tarfile-filters", "python-3.11.2"])
+def test_copied_out_files_stay_under_their_directory(tmp_path, monkeypatch, filters):
+    """Outputs copied out of a container: regular files land under the workspace, a member climbing out
+    (``../``) or a link is refused — with tarfile's ``data`` filter and where Python predates it (the
+    local image's Debian 3.11.2, where the rollout runner runs in compose)."""
+    import io
+    import tarfile
+
+    from services.rollouts.docker_sandbox import _FILTER_ERRORS, _extract
+
+    if not filters:
+        monkeypatch.delattr(tarfile, "data_filter", raising=False)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, data in (("app/answer.txt", b"aero"), ("../evil.txt", b"x")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    dest = tmp_path / "out"
+    dest.mkdir()
+    refused = []
+    with tarfile.open(fileobj=io.BytesIO(buf.getvalue())) as tar:
+        for member in tar:
+            try:
+                _extract(tar, member, dest)
+            except (*_FILTER_ERRORS, OSError):
+                refused.append(member.name)
+    assert (dest / "app" / "answer.txt").read_bytes() == b"aero"
+    assert refused == ["../evil.txt"] and not (tmp_path / "evil.txt").exists()
