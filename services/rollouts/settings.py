@@ -16,6 +16,9 @@ from services.common.rewards import DEFAULT_COST_WEIGHT, RewardComponent
 from services.common.settings import ServiceSettings
 
 HARNESS_DIR = Path(__file__).resolve().parent / "harness"
+#: The longest work_dir whose rollouts' sockets (``/fanroute-rollout-XXXXXXXX/run/relay.sock``) fit in
+#: an AF_UNIX path (107 bytes and a NUL).
+MAX_WORK_DIR_BYTES = 107 - len("/fanroute-rollout-XXXXXXXX/run/relay.sock")
 
 
 class HarnessSettings(BaseModel):
@@ -164,6 +167,15 @@ class RolloutSettings(ServiceSettings):
         """The algorithmic ceiling: rollouts that can usefully be in flight, (max_steps_off_policy + 1) ×
         groups_per_batch × group_size; past it, extra rollouts are too stale for the trainer."""
         return (self.max_steps_off_policy + 1) * self.groups_per_batch * self.group_size
+
+    @model_validator(mode="after")
+    def _socket_path_fits(self) -> RolloutSettings:
+        """Each rollout's relay socket is ``<work_dir>/fanroute-rollout-XXXXXXXX/run/relay.sock``: refuse a
+        work_dir that would put it past the 107 bytes an AF_UNIX path may have (every rollout would fail)."""
+        if self.work_dir is not None and len(str(self.work_dir).encode()) > MAX_WORK_DIR_BYTES:
+            raise ValueError(f"work_dir {str(self.work_dir)!r} is {len(str(self.work_dir).encode())} bytes: the "
+                             f"relay socket under it would pass the AF_UNIX limit (at most {MAX_WORK_DIR_BYTES})")
+        return self
 
     @model_validator(mode="after")
     def _command_fits(self) -> RolloutSettings:

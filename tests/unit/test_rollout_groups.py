@@ -30,6 +30,16 @@ def test_advantages_are_reward_minus_the_group_mean():
     assert advantages([0.7, 0.7]) == (pytest.approx(0.7), [0.0, 0.0], True)
 
 
+def test_a_work_dir_too_long_for_the_relay_socket_is_refused_naming_the_field(tmp_path):
+    """The socket path must fit AF_UNIX's 107 bytes; a long work_dir failed every rollout before."""
+    from services.rollouts.settings import MAX_WORK_DIR_BYTES
+
+    fits = "/" + "a" * (MAX_WORK_DIR_BYTES - 1)
+    assert RolloutSettings(work_dir=fits).work_dir is not None
+    with pytest.raises(ValueError, match="work_dir .* AF_UNIX"):
+        RolloutSettings(work_dir=fits + "b")
+
+
 def test_the_ceiling_is_reported_next_to_max_parallel():
     s = RolloutSettings(max_parallel=8, max_steps_off_policy=2, groups_per_batch=8, group_size=4)
     assert s.ceiling == 96 and "(2 + 1) x 8 x 4 = 96" in ceiling_report(s) and "over it" not in ceiling_report(s)
