@@ -1,5 +1,5 @@
-"""The deployment files, checked without a Docker engine: ``compose.yaml`` validates with Debian's
-``docker-compose`` (scripts/bootstrap.sh installs it), every compose service's ``python -m`` command
+"""The deployment files, checked without a Docker engine: ``compose.yaml`` validates with Compose v2
+(``make test`` installs it: scripts/docker.sh), every compose service's ``python -m`` command
 imports with the installed packages, and the image installs the extra those commands need."""
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ def _compose_v2() -> list[str]:
     """``docker compose`` (v2, the CLI plugin scripts/docker.sh builds from its pinned module)."""
     res = subprocess.run(["docker", "compose", "version", "--short"], capture_output=True, text=True, check=False)
     if res.returncode != 0:
-        pytest.fail("Compose v2 does not answer (`docker compose version`): scripts/bootstrap.sh builds it "
-                    "(scripts/docker.sh compose); run `bash scripts/bootstrap.sh` (or `make bootstrap`)")
+        pytest.fail("Compose v2 does not answer (`docker compose version`): `make test` builds it "
+                    "(bash scripts/docker.sh install)")
     return ["docker", "compose"]
 
 
