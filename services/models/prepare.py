@@ -83,8 +83,8 @@ def prepare_base(cache_dir: Path | None = None, *, force: bool = False,
         # Readable by everyone (safetensors and the temp dir are 0600/0700): the compose services
         # mount this directory and run as their own user.
         tmp.chmod(0o755)
-        for path in tmp.iterdir():
-            path.chmod(0o644)
+        for path in tmp.rglob("*"):
+            path.chmod(0o755 if path.is_dir() else 0o644)
     progress(f"{DEFAULT_BASE}: prepared at {target} in {time.monotonic() - t0:.1f}s "
              f"(output layer tied; probe logits within {diff:.1e} of the GGUF load)")
     return target

@@ -171,3 +171,11 @@ def test_image_installs_what_the_services_need():
     copied = {m.group(1).rstrip("/") for m in re.finditer(r"^COPY\s+(\S+)\s+\S+\s*$", text, re.MULTILINE)}
     tops = {module.split(".")[0] for _, module in _python_m_commands()}
     assert tops <= copied, f"the Dockerfile does not COPY {sorted(tops - copied)} into the image"
+
+
+def test_docker_script_refuses_an_unknown_command_naming_it():
+    """scripts/docker.sh with a typo: exit 1, the command named, the valid ones listed, nothing started."""
+    res = subprocess.run(["bash", str(REPO / "scripts" / "docker.sh"), "imagez"], capture_output=True, text=True,
+                         timeout=30, check=False)
+    assert res.returncode == 1
+    assert "unknown command 'imagez'" in res.stderr and "images" in res.stderr
