@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from services.tools.serving import free_port
+from tests.support.docker_engine import DOCKER_SH, REPO
 
-REPO = Path(__file__).resolve().parents[2]
-DOCKER_SH = REPO / "scripts" / "docker.sh"
 LOCAL_ENV = REPO / "docker" / "local.env"
 
 
