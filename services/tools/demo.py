@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -54,6 +55,8 @@ STEPS = 8
 #: The demo's own stack (free ports, fresh topics each run): `make stack-up`'s stack in .stack/ and the
 #: demo never stop each other.
 DEMO_STACK = REPO / ".stack" / "demo"
+#: Where ``fanroute console`` answers with its default settings (loopback, port 8030).
+CONSOLE_URL = "http://127.0.0.1:8030"
 
 
 async def run_demo(opts: DemoOptions) -> int:
@@ -84,6 +87,7 @@ async def run_demo(opts: DemoOptions) -> int:
 async def _run_demo(opts: DemoOptions) -> int:
     import devstack as stack
 
+    _forget_console_store(opts.out_dir)
     started_stack = False
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or os.environ.get("FANROUTE_KAFKA__BOOTSTRAP_SERVERS")
     redis_url = os.environ.get("REDIS_URL") or os.environ.get("FANROUTE_REDIS__URL") or "memory://"
@@ -95,12 +99,42 @@ async def _run_demo(opts: DemoOptions) -> int:
         info = stack.up(DEMO_STACK, 0, 0, libs_dir=REPO / ".stack" / "kafka-libs")
         bootstrap, redis_url, started_stack = info.bootstrap_servers, info.redis_url, True
     print(f"      Kafka at {bootstrap}, Redis at {redis_url}", flush=True)
+    kafka = KafkaSettings(bootstrap_servers=bootstrap)
     try:
-        return await demo_on(opts, KafkaSettings(bootstrap_servers=bootstrap), redis_url)
+        return await demo_on(opts, kafka, redis_url)
     finally:
-        if started_stack and not opts.keep_stack:
+        running = not started_stack or opts.keep_stack
+        if not running:
             print(f"stopping the stack (use --keep-stack to leave it running in {DEMO_STACK})", flush=True)
             stack.down(DEMO_STACK)
+        print(console_hint(kafka, redis_url, opts.out_dir, running=running), flush=True)
+
+
+def console_store(out_dir: Path) -> Path:
+    """The console's store for a demo's topics: beside the demo's results, not the console's default."""
+    return out_dir / "console.sqlite3"
+
+
+def _forget_console_store(out_dir: Path) -> None:
+    """Drop a previous run's console store: its offsets are of topics this run wipes and writes anew."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{console_store(out_dir)}{suffix}").unlink(missing_ok=True)
+
+
+def console_hint(kafka: KafkaSettings, redis_url: str, out_dir: Path, *, running: bool) -> str:
+    """The exact ``fanroute console`` command over this run's topics and runs, and its URL.
+
+    Printed, not started: the console would hold the demo's time budget and its stack."""
+    env = {"FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "FANROUTE_REDIS__URL": redis_url,
+           **({"FANROUTE_KAFKA__TOPIC_NAMESPACE": kafka.topic_namespace} if kafka.topic_namespace else {}),
+           "FANROUTE_RUNS_DIR": str(out_dir), "FANROUTE_STORE_PATH": str(console_store(out_dir))}
+    command = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " fanroute console"
+    lines = ["the operator console over this run's topics, runs and evaluations:", f"  {command}",
+             f"  then open {CONSOLE_URL}"]
+    if not running:
+        lines.append("  (this run stopped its Kafka and Redis: run the demo with --keep-stack to browse its traces; "
+                     "the runs and evaluations pages read only the files)")
+    return "\n".join(lines)
 
 
 async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> int:

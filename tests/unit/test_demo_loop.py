@@ -198,3 +198,43 @@ async def test_an_embedded_server_leaves_the_process_signal_handlers_alone():
             assert signal.getsignal(signal.SIGTERM) is mine
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("keep_stack", [False, True])
+async def test_the_demo_ends_with_the_console_command_over_its_topics(monkeypatch, tmp_path, capsys, keep_stack):
+    """The exact `fanroute console` command (this run's broker, Redis, runs and a store of its own) and the URL."""
+    import shlex
+
+    import devstack
+    import services.tools.demo as demo
+    from services.console.settings import ConsoleSettings
+
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.delenv("FANROUTE_KAFKA__BOOTSTRAP_SERVERS", raising=False)
+    monkeypatch.setattr(devstack, "down", lambda state_dir, wipe=False: None)
+    monkeypatch.setattr(devstack, "up", lambda state_dir, *a, **kw: SimpleNamespace(
+        bootstrap_servers="127.0.0.1:39092", redis_url="redis://127.0.0.1:36379/0"))
+    stale = demo.console_store(tmp_path)
+    stale.write_text("a previous run's offsets")
+
+    async def fake_demo_on(opts, kafka, redis_url):
+        return 0
+
+    monkeypatch.setattr(demo, "demo_on", fake_demo_on)
+    assert await demo._run_demo(demo.DemoOptions(out_dir=tmp_path, keep_stack=keep_stack)) == 0
+    assert not stale.exists()  # its offsets were of the wiped topics
+    out = capsys.readouterr().out
+    tail = out[out.index("the operator console"):].splitlines()
+    *assignments, program, command = shlex.split(tail[1])
+    assert (program, command) == ("fanroute", "console")
+    env = dict(a.split("=", 1) for a in assignments)
+    assert env == {"FANROUTE_KAFKA__BOOTSTRAP_SERVERS": "127.0.0.1:39092",
+                   "FANROUTE_REDIS__URL": "redis://127.0.0.1:36379/0", "FANROUTE_RUNS_DIR": str(tmp_path),
+                   "FANROUTE_STORE_PATH": str(stale)}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    settings = ConsoleSettings()  # the console reads exactly these
+    assert (settings.kafka.bootstrap_servers, settings.runs_dir, settings.store_path) == (
+        "127.0.0.1:39092", tmp_path, stale)
+    assert tail[2] == f"  then open {demo.CONSOLE_URL}" == f"  then open http://{settings.host}:{settings.port}"
+    assert ("--keep-stack" in "\n".join(tail[3:])) is not keep_stack
