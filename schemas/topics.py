@@ -16,6 +16,7 @@ from schemas.adapter import AdapterPublished
 from schemas.base import Message
 from schemas.calibration import CalibrationRecord, Review
 from schemas.call import Call
+from schemas.cycle import CycleRecord
 from schemas.episode import Episode
 from schemas.rollout import RolloutGroup
 from schemas.task import Task
@@ -57,11 +58,11 @@ TOPICS: dict[str, TopicSpec] = {
         TopicSpec("verdicts", Verdict, "trace_id", partitions=6,
                   description="The judge's blind grades and tiered ordering of one trace's candidates.",
                   producers=("judge",),
-                  consumers=("episodes", "judge", "trainer", "console", "calibrate CLI", "demo")),
+                  consumers=("episodes", "judge", "trainer", "console", "calibrate CLI", "demo", "loop")),
         TopicSpec("episodes", Episode, "episode_id", partitions=6,
                   description="A training episode (router prompt, ordering, reward components).",
                   producers=("episodes", "gateway"),
-                  consumers=("trainer", "episodes CLI", "episodes", "demo")),
+                  consumers=("trainer", "episodes CLI", "episodes", "demo", "loop")),
         TopicSpec("tasks", Task, "task_id", partitions=3,
                   description="A replay task built from a judged trace (Harbor task layout).",
                   producers=("episodes", "trainer", "rl recipes"),
@@ -90,6 +91,13 @@ TOPICS: dict[str, TopicSpec] = {
                               "harness output, relay calls, reward and datums (advantage = reward - group mean).",
                   producers=("rollouts",),
                   consumers=("trainer", "rl recipes", "rollouts")),
+        TopicSpec("cycles", CycleRecord, "cycle_id", partitions=1,
+                  description="One phase of one continual-loop cycle (started, trained, evaluated, promoted, "
+                              "finished, skipped, failed): dataset as-of, episodes, adapter in and out, eval "
+                              "figures, the decision, the drift on the fan-out slice, timings.",
+                  producers=("loop",),
+                  consumers=("loop",),
+                  planned_consumers=("console cycles page (not yet built)",)),
     )
 }
 

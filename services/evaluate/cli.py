@@ -52,6 +52,9 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
     p.add_argument("--router-mode", choices=MODES, default=DEFAULT_MODE,
                    help="score: one completions call scores every provider name (vLLM prompt_logprobs), and the "
                         "candidate's cost-quality curve over λ is drawn; generate: the router writes its ordering")
+    p.add_argument("--router-kind", choices=("lm", "linear"), default="lm",
+                   help="lm: adapters served at --router-url; linear: linear-router versions pulled from "
+                        "--publisher-url and asked in-process, as a gateway with routing.kind=linear asks them")
     p.add_argument("--cost-weight", type=_non_negative, default=DEFAULT_COST_WEIGHT,
                    help="λ of the routers' rows: choose by P(best) − λ · cost per call in USD (scoring mode)")
     p.add_argument("--max-attempts", type=int, default=2, help="providers tried per query (failover)")
@@ -153,7 +156,7 @@ def _options(args: argparse.Namespace):
                        publisher_url=args.publisher_url, router_url=args.router_url, traces_file=args.traces,
                        since=args.since, until=args.until, router_timeout_s=args.router_timeout,
                        router_max_tokens=args.router_max_tokens, router_mode=args.router_mode,
-                       cost_weight=args.cost_weight, max_attempts=args.max_attempts,
+                       router_kind=args.router_kind, cost_weight=args.cost_weight, max_attempts=args.max_attempts,
                        concurrency=args.concurrency, seed=args.seed, resamples=args.bootstrap,
                        progress=not args.no_progress)
 

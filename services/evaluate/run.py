@@ -44,6 +44,9 @@ class EvalOptions(BaseModel):
     router_timeout_s: float = Field(default=2.0, gt=0, le=600)
     router_max_tokens: int = Field(default=48, ge=1, le=1024)
     router_mode: RouterMode = Field(default=DEFAULT_MODE, description="How the routers are asked")
+    router_kind: Literal["lm", "linear"] = Field(
+        default="lm", description="lm: the adapters are asked at router_url; linear: published linear-router "
+                                  "versions, pulled from publisher_url and asked in-process (as the gateway does)")
     cost_weight: float = Field(default=DEFAULT_COST_WEIGHT, ge=0, le=1e6,
                                description="λ of the routers' rows: P(best) − λ · cost (the curve sweeps λ)")
     max_attempts: int = Field(default=2, ge=1, le=32)
@@ -91,7 +94,8 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
     deployed, deployed_source, deployed_fallback = await asyncio.to_thread(resolve_deployed, opts)
     adapters = {pol.CANDIDATE: opts.candidate, **({pol.DEPLOYED: deployed} if deployed else {})}
     calls = await _ask_routers(opts, list(dict.fromkeys(adapters.values())), held.traces)
-    linear = await asyncio.to_thread(fit_linear, episodes, opts.seed)
+    # a linear candidate is the linear baseline itself (fitted on the same episodes): not compared with itself
+    linear = await asyncio.to_thread(fit_linear, episodes, opts.seed) if opts.router_kind == "lm" else None
     if linear is not None:
         adapters[pol.LINEAR] = LINEAR_NAME
         calls[LINEAR_NAME] = linear_calls(linear, held.traces, opts.cost_weight)
@@ -158,6 +162,8 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
 
     first = traces[0]
     providers = [c.provider for c in first.candidates]
+    if opts.router_kind == "linear":
+        return await _ask_linear(opts, names, traces)
     for name in names:
         await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     calls: dict[str, dict[str, RouterCall]] = {}
@@ -171,6 +177,28 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
                 # An error may be the router's or the server's: a server that went away (or stopped
                 # serving the adapter) spoils the measurement rather than measuring the router.
                 await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
+    return calls
+
+
+async def _ask_linear(opts: EvalOptions, names: list[str], traces: list[Trace]) -> dict[str, dict[str, RouterCall]]:
+    """The linear-router versions asked in this process, pulled from the publisher as the gateway pulls them."""
+    from services.router.client import RouterError
+    from services.router.linear_client import LinearRouterClient
+
+    if not opts.publisher_url:
+        raise EvalInputError("--router-kind linear pulls the versions from the publisher: give --publisher-url")
+    client = LinearRouterClient(opts.publisher_url, timeout_s=opts.router_timeout_s)
+    calls: dict[str, dict[str, RouterCall]] = {}
+    try:
+        for name in names:
+            try:
+                await client.prepare(name)
+            except RouterError as exc:
+                raise EvalInputError(f"linear router {name!r} cannot be loaded from {opts.publisher_url}: {exc}") from exc
+            calls[name] = with_cost_weight(await ask_all(client, name, traces, concurrency=opts.concurrency,  # type: ignore[arg-type]
+                                                         progress=opts.progress), traces, opts.cost_weight)
+    finally:
+        await client.close()
     return calls
 
 

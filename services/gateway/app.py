@@ -187,6 +187,10 @@ def build_gateway(settings: GatewaySettings, *, bus: Bus | None = None, provider
         providers = [build_provider(cfg, collections_dir=settings.collections_dir,
                                     cache_dir=paths.index_dir(settings.cache_dir))
                      for cfg in settings.providers if cfg.enabled]
+        if settings.drift:
+            from services.providers.drift import parse_drift, with_drift
+
+            providers = with_drift(providers, parse_drift(settings.drift))
     return Gateway(settings, bus or Bus(settings.kafka, client_id="fanroute-gateway"), providers,
                    stamps=stamps, router_client=router_client)
 

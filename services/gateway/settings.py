@@ -129,6 +129,10 @@ class GatewaySettings(ServiceSettings):
                                    description="Most spooled traces; past it the answer is 503 spool_full")
     routing: RoutingSettings = Field(default_factory=RoutingSettings,
                                      description="Routed mode (FANROUTE_ROUTING__ENABLED=true, ...)")
+    drift: str | None = Field(default=None, max_length=1000,
+                              description="A degradation scenario for local providers: <provider>:<kept share>"
+                                          "[@<ISO time>], comma-separated (e.g. biomed:0.2@2026-12-05T10:00:00Z: "
+                                          "from then, 80 % of biomed's answers are noise); see services.providers.drift")
 
     @model_validator(mode="after")
     def _load_file_and_check(self) -> GatewaySettings:
@@ -141,6 +145,12 @@ class GatewaySettings(ServiceSettings):
         if not any(p.enabled for p in self.providers):
             raise ValueError("at least one provider must be enabled")
         _check_routing(self.routing, [p.name for p in self.providers if p.enabled], self.deadline_s)
+        if self.drift:
+            from services.providers.drift import parse_drift
+
+            for spec in parse_drift(self.drift):
+                if spec.provider not in names:
+                    raise ValueError(f"drift: no provider named {spec.provider!r} here (providers: {names})")
         return self
 
 

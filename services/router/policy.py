@@ -15,6 +15,15 @@ def in_fanout_slice(key: str, fraction: float) -> bool:
     return in_hashed_share(key, fraction, salt="fanroute-slice")
 
 
+#: The salt of the held-out split of development queries (the demo's and the loop's evaluations).
+HELD_OUT_SALT = "fanroute-heldout"
+
+
+def held_out(query_key: str, fraction: float) -> bool:
+    """Deterministic held-out membership by hash of the query id (the same split on every run and replica)."""
+    return in_hashed_share(query_key, fraction, salt=HELD_OUT_SALT)
+
+
 def in_hashed_share(key: str, fraction: float, *, salt: str) -> bool:
     """True for a deterministic ``fraction`` of keys: sha256 of ``salt:key`` as a point in [0, 1).
 

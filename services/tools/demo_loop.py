@@ -21,7 +21,7 @@ from schemas.trace import Trace
 from services.common.dataset import write_jsonl
 from services.common.settings import KafkaSettings, RedisSettings
 from services.router.modes import RouterMode
-from services.router.policy import in_hashed_share
+from services.router.policy import held_out
 from services.tools.serving import free_port, served
 from services.tools.steps import step
 
@@ -60,11 +60,6 @@ class Split:
     traces_file: Path
     n_train: int
     held_out: list[Trace]
-
-
-def held_out(query_id: str, fraction: float) -> bool:
-    """Deterministic held-out membership by hash of the query id (same split on every run)."""
-    return in_hashed_share(query_id, fraction, salt="fanroute-heldout")
 
 
 def split(traces: list[Trace], episodes: list[Episode], fraction: float, out_dir: Path) -> Split:

@@ -24,9 +24,9 @@ SHARED = {
     "models": "the base model: prepare it from the GGUF, load it",
 }
 #: Packages that compose services (and the top-level ``services/cli.py``).
-COMPOSING = {"tools", "evaluate", "cli"}
+COMPOSING = {"tools", "evaluate", "loop", "cli"}
 #: Long-running services: parse settings in ``__main__``, then serve an ``app`` or run a ``worker``.
-LONG_RUNNING = {"gateway", "judge", "episodes", "publisher", "sampler", "relay", "rollouts", "console"}
+LONG_RUNNING = {"gateway", "judge", "episodes", "publisher", "sampler", "relay", "rollouts", "console", "loop"}
 #: Modules allowed over :data:`MAX_LINES`, with the reason.
 LONG_MODULES: dict[str, str] = {}
 MAX_LINES = 450

@@ -40,6 +40,7 @@ SERVICE_OF = {
     "services/trainer/": "trainer",
     "services/console/": "console",
     "services/evaluate/": "evaluate",
+    "services/loop/": "loop",
     "services/tools/demo.py": "demo",
     "services/tools/demo_loop.py": "demo",
     "services/tools/rl_recipes.py": "rl recipes",
