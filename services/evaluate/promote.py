@@ -18,6 +18,13 @@ Four rules, each a :class:`Check` naming its rule:
 - ``cost``: with a deployed router, the candidate's cost per query is no higher than the deployed
   router's, unless it beats the deployed router by at least ``cost_min_gain`` on both measures.
 A candidate that is already the deployed version is refused.
+
+**Replacement.** When the deployed router has itself fallen below the best single provider on both
+measures (the paired 95 % interval entirely below 0 where the report has one; a provider it relies on
+degraded: ``fanroute loop demo``), the comparison with the best single
+provider is waived for a candidate that beats the deployed router on both measures and passes every other
+check: there is no way back to the best single provider but a promotion, so keeping the deployed router
+is worse for every request. The waived checks say so (``waived``) and the decision names ``replacement``.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class Check(BaseModel):
     cost_share: float | None = Field(default=None, description="quality: the candidate's cost per query over the "
                                      "baseline's (a tie passes at or below the rule's share)")
     tie: bool = Field(default=False, description="quality: passed as a tie at a fraction of the baseline's cost")
+    waived: bool = Field(default=False, description="quality vs best_single: not beaten, waived for a replacement "
+                                                    "of a deployed router that fell below the best single provider")
 
     def line(self, min_gain: float) -> str:
         who = f"{self.baseline} ({self.baseline_name})"
@@ -73,6 +82,10 @@ class Check(BaseModel):
                     f"{'' if self.passed or self.baseline_mean is None else ' without beating it by the cost gain'}")
         if self.candidate_mean is None or self.baseline_mean is None:
             return f"{self.measure}: no {self.measure} measure on the held-out queries (n={self.n}); cannot compare"
+        if self.waived:
+            return (f"{self.measure}: candidate {self.candidate_mean:.4f} does not beat {who} {self.baseline_mean:.4f}; "
+                    f"waived: the deployed router fell below it on every measure and the candidate beats the "
+                    f"deployed router (a replacement) (n={self.n})")
         if self.tie:
             return (f"{self.measure}: candidate {self.candidate_mean:.4f} ties {who} {self.baseline_mean:.4f} "
                     f"at {self.cost_share:.0%} of its cost (n={self.n})")
@@ -117,6 +130,27 @@ def _quality(measure: str, policy: str, name: str | None, cand: Any, base: Any, 
                  n=c.n, passed=bool(gain or tie), cost_share=share, tie=bool(tie))
 
 
+def _waive_for_replacement(report: EvalReport, checks: list[Check]) -> list[Check]:
+    """The best-single checks waived when the deployed router fell below the best single provider on every
+    measure and the candidate beats the deployed router on every measure; else ``checks`` as they are."""
+    if report.inputs.deployed is None or DEPLOYED not in report.policies:
+        return checks
+    dep, best = report.policies[DEPLOYED], report.policies[BEST_SINGLE]
+    paired = {c.measure: c for c in report.comparisons if (c.a, c.b) == (DEPLOYED, BEST_SINGLE)}
+
+    def below(m: str) -> bool:  # below on the means, and the paired interval (when there is one) entirely below 0
+        d, b = dep.measure(m).mean, best.measure(m).mean
+        ci = paired[m].ci95 if m in paired else None
+        return d is not None and b is not None and d < b and (ci is None or ci[1] < 0)
+
+    fell = all(below(m) for m in MEASURES)
+    beats_deployed = all(ch.passed and not ch.tie for ch in checks if ch.rule == "quality" and ch.baseline == DEPLOYED)
+    if not (fell and beats_deployed):
+        return checks
+    return [ch.model_copy(update={"passed": True, "waived": True})
+            if ch.rule == "quality" and ch.baseline == BEST_SINGLE and not ch.passed else ch for ch in checks]
+
+
 def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", max_router_p99_ms: float | None = None,
            cost_min_gain: float = 0.02, max_fallback_share: float = 0.05,
            tie_max_cost_share: float = TIE_MAX_COST_SHARE) -> Decision:
@@ -133,6 +167,7 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
         for policy, name in baselines:
             checks.append(_quality(measure, policy, name, cand, report.policies[policy], min_gain=min_gain,
                                    tie_max_cost_share=tie_max_cost_share))
+    checks = _waive_for_replacement(report, checks)
     if max_router_p99_ms is not None:
         p99 = cand.router_p99_ms if cand.router_p99_ms is not None else float("inf")
         checks.append(Check(rule="latency", measure="router_p99_ms", baseline="limit",
@@ -150,7 +185,8 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
                             candidate_mean=cand.cost_per_query_usd, baseline_mean=dep.cost_per_query_usd,
                             n=cand.queries, passed=cand.cost_per_query_usd <= dep.cost_per_query_usd or pays))
     failed = [ch.line(min_gain) for ch in checks if not ch.passed]
-    decided_by = sorted({ch.rule for ch in checks if not ch.passed}) or sorted({ch.rule for ch in checks})
+    decided_by = sorted({ch.rule for ch in checks if not ch.passed}) or sorted(
+        {ch.rule for ch in checks} | ({"replacement"} if any(ch.waived for ch in checks) else set()))
     if i.deployed is not None and i.deployed == i.candidate:
         failed.insert(0, f"{i.candidate} is already the deployed router")
         decided_by = ["already_deployed", *decided_by]

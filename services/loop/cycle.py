@@ -226,7 +226,9 @@ class CycleRunner:
         from services.judge.settings import JudgeSettings
 
         s = self.settings
-        judge = self.judge_settings or JudgeSettings(kafka=s.kafka)
+        from services.common.settings import RedisSettings
+
+        judge = self.judge_settings or JudgeSettings(kafka=s.kafka, redis=RedisSettings(url="memory://"))
         opts = EvalOptions(train_episodes=train_file, candidate=candidate, deployed="auto",
                            publisher_url=s.publisher_url, router_url=s.router_url, router_kind=s.kind,
                            since=previous.slot if previous else None, until=slot, router_mode=s.router_mode,

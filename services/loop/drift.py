@@ -52,7 +52,7 @@ async def slice_grades(kafka: KafkaSettings, since: datetime | None, until: date
 
 async def measure_drift(kafka: KafkaSettings, reference_until: datetime | None, window_s: float | None, *,
                         threshold: float, min_n: int, now: datetime) -> Drift:
-    """Drift of the slice since ``reference_until`` (the deployed cycle's slot) against the window before it."""
+    """Drift of the slice since ``reference_until`` (the reference cycle's slot) against the window before it."""
     if reference_until is None:
         return Drift(score=None, threshold=threshold, triggered=False)
     since = reference_until - timedelta(seconds=window_s) if window_s else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from schemas.cycle import ENDS, CycleRecord
+from schemas.cycle import ENDS, PHASES, CycleRecord
 from schemas.topics import topic
 from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings
@@ -29,7 +29,8 @@ class Cycle:
 
     @property
     def last(self) -> CycleRecord:
-        return max(self.phases.values(), key=lambda r: r.at)
+        rank = {p: i for i, p in enumerate((*PHASES, "skipped", "failed"))}
+        return max(self.phases.values(), key=lambda r: (r.at, rank[r.phase]))
 
     def get(self, phase: str) -> CycleRecord | None:
         return self.phases.get(phase)

@@ -60,8 +60,9 @@ class Loop:
         return await read_history(self.settings.kafka, self.settings.model_id, self.settings.kind)
 
     async def drift(self, history: History, now: datetime):
-        deployed = history.deployed()
-        return await measure_drift(self.settings.kafka, deployed.slot if deployed else None,
+        """Drift since the deployed router's cycle (before any promotion: since the last cycle that trained)."""
+        reference = history.deployed() or history.last_ran()
+        return await measure_drift(self.settings.kafka, reference.slot if reference else None,
                                    self.settings.dataset_window_s, threshold=self.settings.drift_threshold,
                                    min_n=self.settings.drift_min_verdicts, now=now)
 

@@ -23,6 +23,7 @@ from services.common.settings import KafkaSettings, RedisSettings
 from services.publisher.app import create_app as publisher_app
 from services.publisher.settings import PublisherSettings
 from tests.support.loop_market import ROOT, loop_process, market_episodes, market_trace, split_queries
+from tests.support.poll import eventually
 from tests.support.serving import free_port, served
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow]
@@ -139,3 +140,153 @@ async def test_two_replicas_on_one_slot_run_one_cycle(kafka_bootstrap, redis_url
         assert [r.phase for r in records] == ["started", "trained", "evaluated", "promoted", "finished"]
         assert [v["version"] for v in await _ask(url, "versions", "router")] == [1]
         assert [(p.model_id, p.version) for p in await _promotions(kafka)] == [("router", 1)]
+
+
+async def test_every_runs_a_cycle_per_slot_and_skips_slots_without_new_episodes(kafka_bootstrap, redis_url, tmp_path):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"loop3{uuid.uuid4().hex[:8]}.")
+    await _seed(kafka)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pub = PublisherSettings(kafka=kafka, redis=RedisSettings(url=redis_url), port=port,
+                            storage_dir=tmp_path / "store", public_url=url)
+    async with served(publisher_app(pub), port, what="publisher"):
+        proc = loop_process(_env(kafka, redis_url, url, tmp_path), "--every", "2s")
+
+        def until_a_skip() -> list[str]:
+            assert proc.stdout is not None
+            lines = []
+            for line in proc.stdout:  # one line per cycle as it ends
+                lines.append(line)
+                if ": skipped;" in line:
+                    proc.kill()
+                    break
+            return lines
+
+        try:
+            lines = await asyncio.wait_for(asyncio.to_thread(until_a_skip), timeout=300)
+        finally:
+            proc.kill()
+            proc.wait(30)
+        records = await _cycles(kafka)
+        ended = [r for r in records if r.phase in ("finished", "skipped")]
+        assert [r.phase for r in ended][:2] == ["finished", "skipped"], "".join(lines)
+        assert ended[0].trigger == "schedule" and ended[1].slot > ended[0].slot
+        assert all(r.slot.timestamp() % 2 == 0 for r in ended)  # slots aligned to the interval
+        assert [(p.model_id, p.version) for p in await _promotions(kafka)] == [("router", 1)]
+
+
+async def test_an_lm_cycle_continues_the_deployed_adapter_and_is_asked_through_the_sampler(
+        kafka_bootstrap, redis_url, tmp_path, monkeypatch):
+    """kind lm on a tiny model: the deployed adapter is pulled and trained on (the trainer's own log says it
+    started from it), the new version is published by the trainer, and the evaluation asks it through the
+    real CPU sampler — the cycle's records carry adapter in and out, the decision and the timings."""
+    from services.loop.settings import LoopSettings
+    from services.loop.worker import Loop
+    from services.sampler.app import create_app as sampler_app
+    from services.sampler.settings import SamplerSettings
+    from tests.support.tiny_model import build_lora_adapter, build_tiny_model
+
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"loop4{uuid.uuid4().hex[:8]}.")
+    redis = RedisSettings(url=redis_url)
+    slot = await _seed(kafka)
+    base = build_tiny_model(tmp_path / "base")
+    deployed = build_lora_adapter(base, tmp_path / "v1", seed=1)
+    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(base))  # the trainer's process reads it
+    pport, sport = free_port(), free_port()
+    purl = f"http://127.0.0.1:{pport}"
+    pub = PublisherSettings(kafka=kafka, redis=redis, port=pport, storage_dir=tmp_path / "store", public_url=purl)
+    samp = SamplerSettings(kafka=kafka, redis=redis, port=sport, base_model=str(base), publisher_url=purl,
+                           adapter_cache_dir=tmp_path / "cache", group_id=f"sampler-{kafka.topic_namespace}")
+    async with served(publisher_app(pub), pport, what="publisher", start_timeout_s=120), \
+            served(sampler_app(samp), sport, what="sampler", start_timeout_s=120) as surl:
+        def deploy_v1() -> None:
+            with PublisherClient(purl) as client:
+                client.publish("router", deployed, str(base), {})
+                client.promote("router", 1, fallback_provider="web")
+
+        await asyncio.to_thread(deploy_v1)
+        settings = LoopSettings(kafka=kafka, redis=redis, publisher_url=purl, router_url=surl, kind="lm", once=True,
+                                model_id="router", min_new_episodes=10, held_out_fraction=0.01, max_steps=2,
+                                batch_size=4, allow_uncalibrated=True, router_mode="score", router_timeout_s=60,
+                                bootstrap=100, max_router_p99_ms=None, work_dir=tmp_path / "loop")
+        loop = Loop(settings)
+        await loop.start()
+        try:
+            record = await loop.once(slot)
+        finally:
+            await loop.stop()
+    assert record is not None and record.phase == "finished", record
+    assert (record.adapter_in, record.adapter_out) == ("router@1", "router@2")
+    assert record.decision in ("promote", "refuse") and record.figures["held_out"] == len(split_queries()[1])
+    assert {"dataset", "train", "eval"} <= set(record.timings_s)
+    trainer_log = (tmp_path / "loop" / record.cycle_id / "train" / "run" / "trainer.log").read_text()
+    first = trainer_log.splitlines()[0]  # the command line: started from the deployed version it pulled
+    assert "--init-adapter" in first and str(tmp_path / "loop" / record.cycle_id / "deployed") in first
+
+
+async def test_drift_on_the_slice_calls_a_cycle_early(kafka_bootstrap, redis_url, tmp_path):
+    """After a cycle, the slice's verdicts say ``alpha`` got worse: the scheduled loop (next slot an hour
+    away) runs a cycle early with trigger ``drift`` and records the drift that called it."""
+    from schemas.verdict import CandidateGrade, Verdict
+
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"loop5{uuid.uuid4().hex[:8]}.")
+    trained, evaluated = split_queries()
+
+    def verdicts(tag: str, alpha: int) -> list[Verdict]:
+        now = datetime.now(UTC)
+        return [Verdict(verdict_id=f"{tag}-{i}", trace_id=f"{tag}-{i}", judged_at=now, judge_kind="local",
+                        judge_model="m", rubric_version="r", rubric_hash="h", status="ok", sampled_because="sampled",
+                        letters={"A": "alpha", "B": "beta", "C": "web"},
+                        grades=(CandidateGrade(provider="alpha", letter="A", grade=alpha),
+                                CandidateGrade(provider="beta", letter="B", grade=2),
+                                CandidateGrade(provider="web", letter="C", grade=2)),
+                        ordering=(("alpha",), ("beta", "web")) if alpha == 3 else (("beta", "web"), ("alpha",)))
+                for i in range(25)]
+
+    async def publish(name: str, records) -> None:
+        bus = Bus(kafka, client_id="loop-test")
+        await bus.start((topic(name),))
+        try:
+            for r in records:
+                await bus.publish(topic(name), r)
+        finally:
+            await bus.stop()
+
+    await publish("verdicts", verdicts("before", 3))
+    slot = await _seed(kafka)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pub = PublisherSettings(kafka=kafka, redis=RedisSettings(url=redis_url), port=port,
+                            storage_dir=tmp_path / "store", public_url=url)
+    async with served(publisher_app(pub), port, what="publisher"):
+        env = _env(kafka, redis_url, url, tmp_path)
+        code, out = await _run(env, "--once", "--slot", slot.isoformat())
+        assert code == 0, out
+        await eventually(lambda: datetime.now(UTC) > slot + timedelta(milliseconds=5), timeout_s=5,
+                         what="the clock to pass the first slot", interval_s=0.01)
+        await publish("verdicts", verdicts("after", 0))  # alpha now answers nothing useful
+        await publish("episodes", [e for e in market_episodes(trained, copies=5)  # new labels: copies 3 and 4
+                                   if e.episode_id.endswith(("-3", "-4"))])
+        await publish("traces", [market_trace(q, trace_id=f"again-{q}") for q in evaluated])
+        proc = loop_process({**env, "FANROUTE_DRIFT_CHECK_S": "1"}, "--every", "1h")
+
+        def until_drift() -> list[str]:
+            assert proc.stdout is not None
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if "(drift):" in line:
+                    proc.kill()
+                    break
+            return lines
+
+        try:
+            lines = await asyncio.wait_for(asyncio.to_thread(until_drift), timeout=300)
+        finally:
+            proc.kill()
+            proc.wait(30)
+    early = [r for r in await _cycles(kafka) if r.trigger == "drift"]
+    assert early, "".join(lines)
+    drift = early[0].drift
+    assert drift is not None and drift.triggered and drift.worst == "alpha", drift
+    assert drift.score == pytest.approx(1.0) and early[0].phase == "started"

@@ -269,3 +269,33 @@ def test_a_tie_passes_only_at_a_fraction_of_the_baselines_cost():
     assert decide(human_tie).decision == "promote"
     assert decide(human_tie.model_copy(update={"policies": {**human_tie.policies, "best_single": _metrics(
         "best_single", 0.5, 1.5, cost=0.0015)}})).decision == "refuse"  # costs 67 % of it
+
+
+def test_a_candidate_replaces_a_deployed_router_that_fell_below_the_best_single_provider():
+    # a provider the deployed router relies on degraded: it is now below the best single provider on both
+    # measures; the candidate beats it on both but not the best single provider -> promoted as a replacement
+    d = decide(make_report(cand=(0.45, 1.9), best=(0.5, 2.0), deployed=(0.2, 1.3)))
+    assert d.decision == "promote" and "replacement" in d.decided_by
+    waived = [c for c in d.checks if c.waived]
+    assert [(c.measure, c.baseline) for c in waived] == [("human", "best_single"), ("judge", "best_single")]
+    assert any("waived: the deployed router fell below it" in r for r in d.reasons)
+    # the deployed router still above the best single provider on one measure: no waiver, refused
+    d = decide(make_report(cand=(0.45, 1.9), best=(0.5, 2.0), deployed=(0.2, 2.1)))
+    assert d.decision == "refuse" and not any(c.waived for c in d.checks)
+    # the candidate does not beat the deployed router on both measures: no waiver
+    d = decide(make_report(cand=(0.45, 1.2), best=(0.5, 2.0), deployed=(0.2, 1.3)))
+    assert d.decision == "refuse" and not any(c.waived for c in d.checks)
+    # nothing deployed: the best single provider must be beaten as always
+    d = decide(make_report(cand=(0.45, 1.9), best=(0.5, 2.0), deployed_name=None))
+    assert d.decision == "refuse"
+
+
+def test_no_replacement_while_the_deployed_routers_fall_is_within_the_noise():
+    from services.evaluate.metrics import Paired
+
+    report = make_report(cand=(0.45, 1.9), best=(0.5, 2.0), deployed=(0.2, 1.3))
+    noisy = [Paired(a="deployed", b="best_single", measure=m, n=10, mean_diff=-0.1, wins=2, ties=3, losses=5,
+                    ci95=(-0.3, 0.05)) for m in ("human", "judge")]
+    assert decide(report.model_copy(update={"comparisons": noisy})).decision == "refuse"
+    clear = [p.model_copy(update={"ci95": (-0.3, -0.05)}) for p in noisy]
+    assert decide(report.model_copy(update={"comparisons": clear})).decision == "promote"
