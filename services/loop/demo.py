@@ -31,7 +31,7 @@ MODEL_ID = "router"
 @dataclass(frozen=True)
 class LoopDemoOptions:
     windows: int = 3
-    degrade: str = "biomed"
+    degrade: str = "web-lexical"
     keep: float = 0.2
     degrade_from: int = 2
     fanout_fraction: float = 0.5
@@ -58,6 +58,7 @@ class Row:
     degraded_share: float | None
     drift: float | None
     drift_triggered: bool
+    drift_worst: str | None
     cycle_phase: str
     episodes: int | None
     adapter_out: str | None
@@ -215,7 +216,7 @@ async def _window(opts, w: int, kafka, redis, publisher_url: str, base_settings,
     f = record.figures
     row = Row(window=w, degraded=degraded, queries=len(queries), slice_traces=live["slice"], routed=live["routed"],
               router=live["router"], routed_ndcg=live["ndcg"], degraded_share=live["share"],
-              drift=drift.score, drift_triggered=drift.triggered, cycle_phase=record.phase,
+              drift=drift.score, drift_triggered=drift.triggered, drift_worst=drift.worst, cycle_phase=record.phase,
               episodes=record.episodes, adapter_out=record.adapter_out, candidate_ndcg=f.get("candidate/human"),
               candidate_degraded_share=f.get(f"share/{opts.degrade}", 0.0 if f else None), decision=record.decision,
               cycle_s=round(cycle_s, 1), window_s=round(time.perf_counter() - t_window, 1))

@@ -41,6 +41,7 @@ SERVICE_OF = {
     "services/console/": "console",
     "services/evaluate/": "evaluate",
     "services/loop/": "loop",
+    "services/loop/demo.py": "loop demo",
     "services/tools/demo.py": "demo",
     "services/tools/demo_loop.py": "demo",
     "services/tools/rl_recipes.py": "rl recipes",
