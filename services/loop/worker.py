@@ -110,7 +110,8 @@ class Loop:
             if done is None or not done.ended:
                 await self._guarded(slot, "schedule")
             early_done = False
-            while (now := datetime.now(UTC)) < (nxt := next_slot(s, now)):
+            nxt = next_slot(s, datetime.now(UTC))
+            while (now := datetime.now(UTC)) < nxt:
                 await asyncio.sleep(min(s.drift_check_s, (nxt - now).total_seconds()))  # a timer, not a sync wait
                 if early_done or datetime.now(UTC) >= nxt:
                     continue
