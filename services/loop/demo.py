@@ -136,7 +136,6 @@ async def demo_on(opts: LoopDemoOptions, bootstrap: str, redis_url: str) -> int:
     from services.judge.settings import JudgeSettings
     from services.judge.worker import run as run_judge
     from services.loop.settings import LoopSettings
-    from services.loop.worker import Loop
     from services.providers.markets import default_providers
     from services.publisher.app import create_app as publisher_app
     from services.publisher.settings import PublisherSettings

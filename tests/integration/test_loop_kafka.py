@@ -7,6 +7,7 @@ episodes is skipped and says so; two replicas on one slot run it once (the Redis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import uuid
@@ -71,6 +72,20 @@ async def _run(env: dict[str, str], *argv: str, hold: str | None = None) -> tupl
     return code, out
 
 
+@contextlib.asynccontextmanager
+async def _loop_stack(kafka_bootstrap: str, redis_url: str, tmp_path, prefix: str):
+    """Fresh topics seeded with the market, a real publisher; yields (kafka, a slot after the seed, its URL, the
+    loop's environment)."""
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"{prefix}{uuid.uuid4().hex[:8]}.")
+    slot = await _seed(kafka)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    pub = PublisherSettings(kafka=kafka, redis=RedisSettings(url=redis_url), port=port,
+                            storage_dir=tmp_path / "store", public_url=url)
+    async with served(publisher_app(pub), port, what="publisher"):
+        yield kafka, slot, url, _env(kafka, redis_url, url, tmp_path)
+
+
 async def _ask(url: str, method: str, *args: str):
     """A publisher client call off the event loop (the publisher is served on it)."""
     def call():
@@ -89,14 +104,7 @@ async def _promotions(kafka: KafkaSettings) -> list[AdapterPublished]:
 
 
 async def test_killed_after_promoting_resumes_the_cycle_and_promotes_once(kafka_bootstrap, redis_url, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"loop{uuid.uuid4().hex[:8]}.")
-    slot = await _seed(kafka)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    pub = PublisherSettings(kafka=kafka, redis=RedisSettings(url=redis_url), port=port,
-                            storage_dir=tmp_path / "store", public_url=url)
-    async with served(publisher_app(pub), port, what="publisher"):
-        env = _env(kafka, redis_url, url, tmp_path)
+    async with _loop_stack(kafka_bootstrap, redis_url, tmp_path, "loop") as (kafka, slot, url, env):
         code, out = await _run({**env, "FANROUTE_HOLD_AFTER": "promote_sent"}, "--once", "--slot", slot.isoformat(),
                                hold="promote_sent")
         assert code == -signal.SIGKILL, out
@@ -125,14 +133,7 @@ async def test_killed_after_promoting_resumes_the_cycle_and_promotes_once(kafka_
 
 
 async def test_two_replicas_on_one_slot_run_one_cycle(kafka_bootstrap, redis_url, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"loop2{uuid.uuid4().hex[:8]}.")
-    slot = await _seed(kafka)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    pub = PublisherSettings(kafka=kafka, redis=RedisSettings(url=redis_url), port=port,
-                            storage_dir=tmp_path / "store", public_url=url)
-    async with served(publisher_app(pub), port, what="publisher"):
-        env = _env(kafka, redis_url, url, tmp_path)
+    async with _loop_stack(kafka_bootstrap, redis_url, tmp_path, "loop2") as (kafka, slot, url, env):
         (a, out_a), (b, out_b) = await asyncio.gather(_run(env, "--once", "--slot", slot.isoformat()),
                                                       _run(env, "--once", "--slot", slot.isoformat()))
         assert (a, b) == (0, 0), out_a + out_b
@@ -143,14 +144,8 @@ async def test_two_replicas_on_one_slot_run_one_cycle(kafka_bootstrap, redis_url
 
 
 async def test_every_runs_a_cycle_per_slot_and_skips_slots_without_new_episodes(kafka_bootstrap, redis_url, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"loop3{uuid.uuid4().hex[:8]}.")
-    await _seed(kafka)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    pub = PublisherSettings(kafka=kafka, redis=RedisSettings(url=redis_url), port=port,
-                            storage_dir=tmp_path / "store", public_url=url)
-    async with served(publisher_app(pub), port, what="publisher"):
-        proc = loop_process(_env(kafka, redis_url, url, tmp_path), "--every", "2s")
+    async with _loop_stack(kafka_bootstrap, redis_url, tmp_path, "loop3") as (kafka, slot, url, env):
+        proc = loop_process(env, "--every", "2s")
 
         def until_a_skip() -> list[str]:
             """Lines until a cycle finished and a later slot was skipped (a slot that began while the test
