@@ -21,7 +21,7 @@ SERVICES: dict[str, tuple[str, str]] = {
     "relay": ("services.relay.__main__", "serve the token-in/token-out relay (same as python -m services.relay)"),
     "rollouts": ("services.rollouts.__main__", "run the rollout runner (same as python -m services.rollouts)"),
     "console": ("services.console.__main__", "serve the operator console (same as python -m services.console)"),
-    "loop": ("services.loop.cli", "the continual loop: a cycle per slot, early on drift; `loop demo` shows drift "
+    "loop": ("services.loop.__main__", "the continual loop: a cycle per slot, early on drift; `loop demo` shows drift "
                                   "and recovery (same as python -m services.loop)"),
 }
 #: Packages whose ``cli.py`` registers commands, in help order.

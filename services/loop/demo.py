@@ -42,6 +42,7 @@ class LoopDemoOptions:
     seed: int = 0
     out_dir: Path = REPO / "out" / "loop-demo"
     keep_stack: bool = False
+    min_new_episodes: int = 50
 
 
 @dataclass
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None, prog: str = "fanroute loop demo") -> int
 async def run_loop_demo(opts: LoopDemoOptions) -> int:
     import devstack as stack
 
+    from services.common.settings import KafkaSettings
+
     bootstrap = os.environ.get("FANROUTE_KAFKA__BOOTSTRAP_SERVERS")
     redis_url = os.environ.get("FANROUTE_REDIS__URL")
     started = False
@@ -121,16 +124,18 @@ async def run_loop_demo(opts: LoopDemoOptions) -> int:
         info = stack.up(LOOP_STACK, 0, 0, libs_dir=REPO / ".stack" / "kafka-libs")
         bootstrap, redis_url, started = info.bootstrap_servers, info.redis_url, True
     try:
-        return await demo_on(opts, bootstrap, redis_url)
+        return await demo_on(opts, KafkaSettings(bootstrap_servers=bootstrap), redis_url)
     finally:
         if started and not opts.keep_stack:
             stack.down(LOOP_STACK)
 
 
-async def demo_on(opts: LoopDemoOptions, bootstrap: str, redis_url: str) -> int:
+async def demo_on(opts: LoopDemoOptions, kafka, redis_url: str) -> int:
+    """The demo against a running broker and Redis (``kafka`` carries the topic namespace: a test runs it on
+    fresh topics)."""
     import shutil
 
-    from services.common.settings import KafkaSettings, RedisSettings
+    from services.common.settings import RedisSettings
     from services.episodes.settings import EpisodeSettings
     from services.episodes.worker import run as run_builder
     from services.judge.settings import JudgeSettings
@@ -141,7 +146,7 @@ async def demo_on(opts: LoopDemoOptions, bootstrap: str, redis_url: str) -> int:
     from services.publisher.settings import PublisherSettings
     from services.tools.serving import free_port, served
 
-    kafka, redis = KafkaSettings(bootstrap_servers=bootstrap), RedisSettings(url=redis_url)
+    redis = RedisSettings(url=redis_url)
     shutil.rmtree(opts.out_dir, ignore_errors=True)
     opts.out_dir.mkdir(parents=True)
     providers = default_providers()
@@ -152,7 +157,7 @@ async def demo_on(opts: LoopDemoOptions, bootstrap: str, redis_url: str) -> int:
     rows: list[Row] = []
     async with served(publisher_app(pub), pport, what="publisher") as publisher_url:
         settings = LoopSettings(kafka=kafka, redis=redis, publisher_url=publisher_url, kind="linear",
-                                model_id=MODEL_ID, once=True, min_new_episodes=50,
+                                model_id=MODEL_ID, once=True, min_new_episodes=opts.min_new_episodes,
                                 held_out_fraction=opts.held_out_fraction, work_dir=opts.out_dir / "cycles",
                                 bootstrap=1000, drift_min_verdicts=20)
         stop = asyncio.Event()

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import uuid
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -38,7 +36,6 @@ from services.providers.markets import default_providers
 from services.tools.demo import DemoOptions, demo_on
 from services.tools.demo_loop import LoopOptions
 from services.tools.demo_loop import MODEL_ID, held_out
-from tests.support.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.kafka, pytest.mark.redis, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -49,23 +46,6 @@ HELD_OUT = 0.3
 async def _records(kafka: KafkaSettings, name: str, model) -> list:
     """Every record now on topic ``name`` of this run's namespace (fresh: nothing else wrote there)."""
     return [m async for m in read_topic(kafka, topic(name), model=model, strict=True)]
-
-
-@pytest.fixture
-def fresh_machine(tmp_path, monkeypatch) -> dict[str, Path]:
-    """HOME and each cache variable at distinct empty folders; no other FANROUTE_ setting but the
-    session's spool; the tiny model "prepared" where $FANROUTE_MODELS_DIR says, and nowhere else."""
-    for name in [n for n in os.environ if n.startswith("FANROUTE_") and n != "FANROUTE_SPOOL_DIR"]:
-        monkeypatch.delenv(name)  # the embedded default: the federated market, the bundled collections
-    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    folders = {name: tmp_path / "machine" / name.lower() for name in
-               ("HOME", paths.CACHE_DIR_ENV, paths.MODELS_DIR_ENV, paths.JUDGE_CACHE_DIR_ENV)}
-    for name, folder in folders.items():
-        folder.mkdir(parents=True)
-        monkeypatch.setenv(name, str(folder))
-    build_tiny_model(paths.default_base_dir())
-    assert paths.default_base_dir().is_relative_to(folders[paths.MODELS_DIR_ENV])
-    return folders
 
 
 async def test_the_demo_loop_on_the_real_stack(kafka_bootstrap, redis_url, tmp_path, monkeypatch, fresh_machine):

@@ -78,7 +78,7 @@ def test_routed_trace_needs_router_version_and_distinct_providers():
 
 def test_topic_registry_keys_by_id():
     assert set(TOPICS) == {"traces", "verdicts", "episodes", "tasks", "adapters", "calibrations", "reviews", "calls",
-                            "rollouts"}
+                            "rollouts", "cycles"}
     assert topic("traces").key_of(trace("abc")) == b"abc"
     assert topic("traces").dlq == "traces.dlq"
     for spec in TOPICS.values():
