@@ -159,9 +159,26 @@ def render(record: CycleRecord) -> str:
 
 
 async def run(settings: LoopSettings, slot: datetime | None = None) -> int:
-    """``fanroute loop``: one cycle (``once``) or the schedule; the exit status of ``once`` says how it ended."""
+    """``fanroute loop``: one cycle (``once``) or the schedule; the exit status of ``once`` says how it ended.
+
+    SIGTERM or SIGINT stops it cleanly: the cycle in flight is cancelled (it resumes from its last phase
+    record on the next start), the lease is given back, and the schedule exits 0."""
+    import signal
+
     loop = Loop(settings)
     await loop.start()
+    work = asyncio.current_task()
+    assert work is not None
+    stopping = False
+
+    def stop() -> None:
+        nonlocal stopping
+        stopping = True
+        work.cancel()
+
+    events = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        events.add_signal_handler(sig, stop)
     try:
         if not settings.once:
             await loop.forever()
@@ -172,5 +189,13 @@ async def run(settings: LoopSettings, slot: datetime | None = None) -> int:
             return 0
         print(render(record), flush=True)
         return 0 if record.phase in ("finished", "skipped") else 1
+    except asyncio.CancelledError:
+        if not stopping:
+            raise
+        work.uncancel()  # our own stop (a signal), not a cancellation from outside: exit cleanly
+        print("stopped (a cycle in flight resumes from its last recorded phase)", flush=True)
+        return 0
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            events.remove_signal_handler(sig)
         await loop.stop()

@@ -14,6 +14,7 @@ import uuid
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import redis.asyncio as aioredis
 
 from schemas import AdapterPublished, topic
 from schemas.cycle import CycleRecord
@@ -21,6 +22,7 @@ from services.common.bus import Bus
 from services.common.publisher_client import PublisherClient
 from services.common.replay_topic import read_topic
 from services.common.settings import KafkaSettings, RedisSettings
+from services.loop.lease import lease_key
 from services.publisher.app import create_app as publisher_app
 from services.publisher.settings import PublisherSettings
 from tests.support.loop_market import ROOT, loop_process, market_episodes, market_trace, split_queries
@@ -156,15 +158,23 @@ async def test_every_runs_a_cycle_per_slot_and_skips_slots_without_new_episodes(
                 lines.append(line)
                 finished = finished or ": finished;" in line
                 if finished and ": skipped;" in line:
-                    proc.kill()
+                    proc.send_signal(signal.SIGTERM)  # a clean stop: the lease is given back, exit 0
+                    lines += list(proc.stdout)
                     break
             return lines
 
         try:
             lines = await asyncio.wait_for(asyncio.to_thread(until_a_skip), timeout=300)
+            assert await asyncio.to_thread(proc.wait, 60) == 0, "".join(lines)
         finally:
             proc.kill()
             proc.wait(30)
+        assert lines[-1].startswith("stopped"), "".join(lines)
+        lease = aioredis.Redis.from_url(redis_url)
+        try:
+            assert await lease.get(lease_key(kafka.topic_namespace, "router", "linear")) is None
+        finally:
+            await lease.aclose()
         records = await _cycles(kafka)
         ended = [r for r in records if r.phase in ("finished", "skipped")]
         first = next(i for i, r in enumerate(ended) if r.phase == "finished")
