@@ -94,11 +94,10 @@ class CycleRunner:
     async def _write(self, cycle: Cycle, phase: str, trigger: str, timings: dict[str, float],
                      **fields: Any) -> CycleRecord:
         base = cycle.phases.get("started")
-        carried = {k: getattr(base, k) for k in ("episodes", "new_episodes", "adapter_in")} if base else {}
+        carried = {k: getattr(base, k) for k in ("episodes", "new_episodes", "adapter_in", "drift")} if base else {}
         for earlier in ("trained", "evaluated"):
             if (r := cycle.phases.get(earlier)) is not None:
-                carried.update(adapter_out=r.adapter_out, figures=r.figures, decision=r.decision, reasons=r.reasons,
-                               drift=r.drift)
+                carried.update(adapter_out=r.adapter_out, figures=r.figures, decision=r.decision, reasons=r.reasons)
         record = CycleRecord(record_id=record_id(cycle.cycle_id, phase), cycle_id=cycle.cycle_id, phase=phase,
                              at=datetime.now(UTC), model_id=self.settings.model_id, kind=self.settings.kind,
                              slot=cycle.slot, trigger=trigger, code_version=self.version,

@@ -217,10 +217,11 @@ async def _window(opts, w: int, kafka, redis, publisher_url: str, base_settings,
         await loop.stop()
     assert record is not None
     print("   " + render_record(record), flush=True)
+    measured = record.drift or drift  # what the cycle recorded at its start (the topic's figure)
     f = record.figures
     row = Row(window=w, degraded=degraded, queries=len(queries), slice_traces=live["slice"], routed=live["routed"],
               router=live["router"], routed_ndcg=live["ndcg"], degraded_share=live["share"],
-              drift=drift.score, drift_triggered=drift.triggered, drift_worst=drift.worst, cycle_phase=record.phase,
+              drift=measured.score, drift_triggered=measured.triggered, drift_worst=measured.worst, cycle_phase=record.phase,
               episodes=record.episodes, adapter_out=record.adapter_out, candidate_ndcg=f.get("candidate/human"),
               candidate_degraded_share=f.get(f"share/{opts.degrade}", 0.0 if f else None), decision=record.decision,
               cycle_s=round(cycle_s, 1), window_s=round(time.perf_counter() - t_window, 1))
