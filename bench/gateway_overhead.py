@@ -41,6 +41,8 @@ import numpy as np
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.routed_fixture import bench_query, publish_and_promote, redis_for, routed_env, start_publisher  # noqa: E402
 DEFAULT_LATENCIES_MS = "20,35,50"
 
 
@@ -83,12 +85,17 @@ async def drive(n: int, concurrency: int, one) -> tuple[list[float], float]:
 
 
 def cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system) a process has used: ``pid``, or this one."""
+    """CPU seconds (user + system) a process and its live children have used: ``pid``, or this one alone."""
     if pid is None:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    try:  # the gateway's workers (FANROUTE_WORKERS > 1) are its children
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        children = []
+    return own + sum(cpu_s(int(c)) for c in children)
 
 
 def profiler(pid: int, out: Path) -> subprocess.Popen:
@@ -110,6 +117,15 @@ def trace_bytes(metrics_text: str) -> float | None:
     return got["sum"] / got["count"] if got.get("count") else None
 
 
+def routed_count(metrics_text: str) -> dict[str, float]:
+    """Routed requests by path (``router`` / ``fallback``) from ``fanroute_gateway_routed_total``."""
+    out = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("fanroute_gateway_routed_total{"):
+            out[line.split('path="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
+    return out
+
+
 def kafka_for(choice: str | None) -> str | None:
     """The broker of the ``--kafka`` run: the given bootstrap, or (``auto``) $KAFKA_BOOTSTRAP_SERVERS,
     else the project's local stack (``python -m devstack up``), started if it is not running."""
@@ -125,13 +141,15 @@ def kafka_for(choice: str | None) -> str | None:
     return devstack.up(components=("kafka",)).bootstrap_servers
 
 
-def start_gateway(gport: int, pport: int, latencies: list[float], kafka: str) -> subprocess.Popen:
+def start_gateway(gport: int, pport: int, latencies: list[float], kafka: str,
+                  routed: dict[str, str] | None = None, workers: int = 1) -> subprocess.Popen:
     providers = [{"type": "searxng", "name": f"p{i}", "base_url": f"http://127.0.0.1:{pport}/p{i}",
                   "timeout_s": 5, "max_retries": 0} for i in range(len(latencies))]
     env = {**os.environ, "FANROUTE_PORT": str(gport), "FANROUTE_PROVIDERS": json.dumps(providers),
            "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": kafka, "FANROUTE_LOG_LEVEL": "WARNING",
            "FANROUTE_KAFKA__TOPIC_NAMESPACE": f"bench{gport}.", "FANROUTE_REQUIRE_KAFKA_AT_START": "true",
-           "FANROUTE_SPOOL_DIR": f"/tmp/fanroute-bench-spool-{gport}"}
+           "FANROUTE_SPOOL_DIR": f"/tmp/fanroute-bench-spool-{gport}", "FANROUTE_WORKERS": str(workers),
+           **(routed or {})}
     return subprocess.Popen([sys.executable, "-m", "services.gateway"], cwd=ROOT, env=env)
 
 
@@ -139,17 +157,31 @@ async def bench(args: argparse.Namespace) -> dict:
     pport = free_port()
     providers = subprocess.Popen([sys.executable, str(ROOT / "bench" / "synthetic_providers.py"), str(pport),
                                   *map(str, args.latencies), "--snippet-chars", str(args.snippet_chars)])
-    buses = [("plain Python proxy", None), ("in-memory bus", "memory://")] + (
-        [("Kafka, acks=all", args.broker)] if args.broker else [])
+    base = [("in-memory bus", "memory://")] + ([("Kafka, acks=all", args.broker)] if args.broker else [])
+    buses = [("plain Python proxy", None), *base]
+    if args.workers > 1:
+        buses += [(f"{label}, {args.workers} workers", kafka) for label, kafka in base]
     results: dict[str, dict] = {}
+    publisher, routed = None, None
+    if args.routed:  # a promoted linear router served in-process: the decision is on the request path
+        buses += [(f"routed linear, {label}", kafka) for label, kafka in base]
+        pub_port, redis_url = free_port(), redis_for(args.redis)
+        pub_store = Path(f"/tmp/fanroute-bench-pub-{pub_port}")
+        publisher = start_publisher(pub_port, redis_url, "memory://", pub_store)
+        routed = routed_env(f"http://127.0.0.1:{pub_port}", redis_url, args.fanout_fraction)
     try:
         await wait_http(f"http://127.0.0.1:{pport}/p0/search?q=warm")
+        if publisher is not None:
+            await wait_http(f"{routed['FANROUTE_ROUTING__PUBLISHER_URL']}/healthz")
+            names = [f"p{i}" for i in range(len(args.latencies))]
+            print("promoted", await asyncio.to_thread(publish_and_promote,
+                                                      routed["FANROUTE_ROUTING__PUBLISHER_URL"], names, names[-1]))
         conn = aiohttp.TCPConnector(limit=args.concurrency * 4)
         async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as http:
             counter = iter(range(10**9))
 
-            async def plain() -> tuple[float, float, float]:
-                q = f"query {next(counter)}"
+            async def plain() -> tuple[float, float, float, float]:
+                q = bench_query(next(counter), len(args.latencies))
 
                 async def call(i: int) -> float:
                     t = time.perf_counter()
@@ -160,20 +192,23 @@ async def bench(args: argparse.Namespace) -> dict:
 
                 t = time.perf_counter()
                 each = await asyncio.gather(*(call(i) for i in range(len(args.latencies))))
-                return (time.perf_counter() - t) * 1000 - max(each), float("nan"), 0.0
+                return (time.perf_counter() - t) * 1000 - max(each), float("nan"), 0.0, float("nan")
 
             await drive(200, args.concurrency, plain)  # warm-up, not measured
             results["plain asyncio fan-out"] = await measure(args, plain, {"providers": providers.pid})
             for label, kafka in buses:
                 gport = free_port()
-                gateway = (start_gateway(gport, pport, args.latencies, kafka) if kafka else subprocess.Popen(
+                is_routed = label.startswith("routed")
+                workers = args.workers if label.endswith(" workers") else 1
+                gateway = (start_gateway(gport, pport, args.latencies, kafka, routed if is_routed else None, workers)
+                           if kafka else subprocess.Popen(
                     [sys.executable, str(ROOT / "bench" / "plain_proxy.py"), str(gport), str(pport),
                      str(len(args.latencies))]))
                 try:
                     await wait_http(f"http://127.0.0.1:{gport}/healthz")
 
-                    async def via_gateway(gport: int = gport) -> tuple[float, float, float]:
-                        q = f"query {next(counter)}"
+                    async def via_gateway(gport: int = gport) -> tuple[float, float, float, float]:
+                        q = bench_query(next(counter), len(args.latencies))
                         t = time.perf_counter()
                         async with http.post(f"http://127.0.0.1:{gport}/v1/search", json={"query": q}) as r:
                             r.raise_for_status()
@@ -181,8 +216,10 @@ async def bench(args: argparse.Namespace) -> dict:
                             timing = dict(p.strip().split(";dur=") for p in r.headers["Server-Timing"].split(","))
                         total = (time.perf_counter() - t) * 1000
                         spooled = body["trace_status"] == "spooled"  # Kafka did not ack within publish_wait_s
+                        route = body.get("route") or {}
+                        router_ms = float(route["router_ms"]) if route.get("router") else float("nan")
                         return (total - max(c["latency_ms"] for c in body["candidates"]), float(timing["gateway"]),
-                                float(spooled))
+                                float(spooled), router_ms)
 
                     await drive(200, args.concurrency, via_gateway)  # warm-up, not measured
                     profile = args.profile if label == "in-memory bus" else None
@@ -190,7 +227,10 @@ async def bench(args: argparse.Namespace) -> dict:
                                         profile=profile)
                     if kafka:
                         async with http.get(f"http://127.0.0.1:{gport}/metrics") as r:
-                            row["trace_bytes_mean"] = trace_bytes(await r.text())
+                            text = await r.text()
+                        row["trace_bytes_mean"] = trace_bytes(text)
+                        if is_routed:
+                            row["routed_requests"] = routed_count(text)
                     results[f"fanroute gateway ({label})" if kafka else label] = row
                 finally:
                     gateway.terminate()
@@ -199,8 +239,12 @@ async def bench(args: argparse.Namespace) -> dict:
     finally:
         providers.terminate()
         providers.wait(timeout=10)
+        if publisher is not None:
+            publisher.terminate()
+            publisher.wait(timeout=30)
+            shutil.rmtree(pub_store, ignore_errors=True)
     return {"kafka": args.broker, "requests": args.requests, "concurrency": args.concurrency,
-            "snippet_chars": args.snippet_chars,
+            "snippet_chars": args.snippet_chars, "routed_fanout_fraction": args.fanout_fraction if args.routed else None,
             "provider_latencies_ms": args.latencies, "results": results, "cpus": os.cpu_count(),
             "event_loop": os.environ.get("FANROUTE_EVENT_LOOP", "asyncio"), "commit": commit()}
 
@@ -227,7 +271,10 @@ async def measure(args: argparse.Namespace, fn, pids: dict[str, int], profile: P
         spy.send_signal(signal.SIGINT)  # py-spy writes the flame graph on SIGINT
         spy.wait(timeout=60)
     a = np.asarray(added)
-    return {"added_p50_ms": float(np.percentile(a[:, 0], 50)), "added_p99_ms": float(np.percentile(a[:, 0], 99)),
+    decided = a[:, 3][~np.isnan(a[:, 3])]  # the router's decision, on the requests it routed
+    router = ({"router_p50_ms": float(np.percentile(decided, 50)), "router_p99_ms": float(np.percentile(decided, 99)),
+               "router_decisions": int(decided.size)} if decided.size else {})
+    return {**router, "added_p50_ms": float(np.percentile(a[:, 0], 50)), "added_p99_ms": float(np.percentile(a[:, 0], 99)),
             "in_handler_p50_ms": float(np.percentile(a[:, 1], 50)),
             "in_handler_p99_ms": float(np.percentile(a[:, 1], 99)), "throughput_rps": rps,
             "spooled": int(a[:, 2].sum()),  # answered before Kafka acked: kept in the spool, re-published
@@ -248,6 +295,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kafka", nargs="?", const="auto", default=None, metavar="BOOTSTRAP",
                    help="also measure the gateway on a real broker (acks=all, the outbox on): BOOTSTRAP, or "
                         "without a value $KAFKA_BOOTSTRAP_SERVERS, else the local stack (python -m devstack up)")
+    p.add_argument("--routed", action="store_true",
+                   help="also measure the gateway in routed mode with a promoted linear router (in-process, "
+                        "pulled from a real publisher), on every bus measured; the decision is reported apart")
+    p.add_argument("--workers", type=int, default=1,
+                   help="also measure the gateway with FANROUTE_WORKERS=N (N processes on one port), on every bus")
+    p.add_argument("--fanout-fraction", type=float, default=0.1,
+                   help="routed runs: the share of requests that keep fanning out (the gateway's default)")
+    p.add_argument("--redis", default="auto", metavar="URL",
+                   help="routed runs: the Redis holding the stamps (auto: $REDIS_URL, else the local stack)")
     p.add_argument("--profile", type=Path, default=None,
                    help="write a py-spy flame graph (SVG) of the gateway during its measured run here")
     args = p.parse_args(argv)
@@ -272,6 +328,10 @@ def main(argv: list[str] | None = None) -> None:
                            "added_p99": v["added_p99_ms"] / base["added_p99_ms"],
                            "throughput": v["throughput_rps"] / base["throughput_rps"]}
                     for name, v in r.items() if name != "plain asyncio fan-out"}
+    for name, v in r.items():
+        if "router_p50_ms" in v:
+            print(f"{name}: router decision p50 {v['router_p50_ms']:.2f} ms, p99 {v['router_p99_ms']:.2f} ms "
+                  f"on {v['router_decisions']} routed requests; by path {v.get('routed_requests')}")
     for name, ratio in out["ratio"].items():
         print(f"ratio {name} / plain: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratio.items()))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,15 @@ SHORT = {"plain asyncio fan-out": "in-process\nfan-out", "plain Python proxy": "
          "gateway\n(Kafka acks=all)"}
 
 
+def short(name: str) -> str:
+    """A row's tick label: the known names, else ``gateway`` and the row's qualifiers one per line."""
+    if name in SHORT:
+        return SHORT[name]
+    if name.startswith("fanroute gateway (") and name.endswith(")"):
+        return "gateway\n" + name[len("fanroute gateway ("):-1].replace(", ", "\n")
+    return name
+
+
 def plot(paths: list[Path], out: Path) -> None:
     import matplotlib
 
@@ -28,7 +37,7 @@ def plot(paths: list[Path], out: Path) -> None:
 
     runs = [(p, json.loads(p.read_text())) for p in paths]
     top = max(sum(r["cpu_ms_per_request"].values()) for _, d in runs for r in d["results"].values())
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(5.2, 0.9 * max(len(d['results']) for _, d in runs)) * len(runs), 4.6), sharey=True, squeeze=False)
     for ax, (path, data) in zip(axes[0], runs):
         names = list(data["results"])
         bottom = [0.0] * len(names)
@@ -40,7 +49,7 @@ def plot(paths: list[Path], out: Path) -> None:
             row = data["results"][n]
             note = f"{row['throughput_rps']:.0f} req/s" + (f"\n{row['spooled']} spooled" if row.get("spooled") else "")
             ax.text(i, bottom[i] + top * 0.02, note, ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(names)), [SHORT.get(n, n) for n in names], fontsize=8)
+        ax.set_xticks(range(len(names)), [short(n) for n in names], fontsize=8)
         at = f" @ {data['commit']}" if data.get("commit") else ""
         ax.set_title(f"{path.stem}{at}\n{data['requests']} requests, {data['concurrency']} concurrent, "
                      f"{data.get('snippet_chars', 16)}-char snippets", fontsize=9)

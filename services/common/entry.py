@@ -94,13 +94,13 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def serve_app(app: Any, settings: Any) -> None:
-    """Serve a FastAPI app on ``settings.host:port`` until interrupted."""
+async def serve_app(app: Any, settings: Any, sock: Any = None) -> None:
+    """Serve a FastAPI app on ``settings.host:port`` (or on the bound ``sock``) until interrupted."""
     import uvicorn
 
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on")
-    await uvicorn.Server(config).serve()
+    await uvicorn.Server(config).serve(sockets=[sock] if sock is not None else None)
 
 
 def app_main(name: str, load: Callable[[], Any], app_module: str, *, argv: Sequence[str] | None = None,

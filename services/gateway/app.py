@@ -4,6 +4,7 @@ Trace on the ``traces`` topic."""
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from services.gateway.ids import trace_id_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.link import KafkaLink
 from services.gateway.outbox import TraceOutbox, default_spool_dir
+from services.gateway.workers import orphan_spool_dirs, worker_spool_dir
 from services.gateway.push import RESPONSES as PUSH_RESPONSES
 from services.gateway.push import push
 from services.gateway.push import request_body as push_body
@@ -81,13 +83,16 @@ class Gateway:
         self.settings = settings
         self.bus = bus
         self.providers = providers
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(multiprocess=settings.worker_index is not None)
         for p in providers:
             for outcome in ("ok", "error"):
                 self.metrics.provider_calls.labels(p.name, outcome)
-        self.outbox = TraceOutbox(bus, self.metrics, spool_dir=settings.spool_dir or default_spool_dir(
-            settings.cache_dir), publish_wait_s=settings.publish_wait_s, max_bytes=settings.spool_max_bytes,
-            max_records=settings.spool_max_records)
+        spool_base = settings.spool_dir or default_spool_dir(settings.cache_dir)
+        self.outbox = TraceOutbox(bus, self.metrics, spool_dir=worker_spool_dir(spool_base, settings),
+                                  publish_wait_s=settings.publish_wait_s, max_bytes=settings.spool_max_bytes,
+                                  max_records=settings.spool_max_records)
+        self.outbox.adopt_from = orphan_spool_dirs(spool_base, settings)
+        self._gauges: asyncio.Task[None] | None = None
         topics = (topic("traces"), topic("episodes")) + ((topic("adapters"),) if settings.routing.enabled else ())
         self.link = KafkaLink(bus, topics, connect_timeout_s=settings.kafka_connect_timeout_s,
                               on_connected=self.outbox.wake, required=settings.require_kafka_at_start)
@@ -107,17 +112,27 @@ class Gateway:
         await self.link.start()
         if self.routed is not None:
             await self.routed.start()
+        if self.metrics.multiprocess:
+            self._gauges = asyncio.create_task(self._export_gauges(), name="export-gauges")
         log.info("gateway ready in %.1fs with providers %s (%s; Kafka %s)", time.perf_counter() - t0,
                  [p.name for p in self.providers], "routed" if self.routed else "fan-out", self.link.state)
 
     async def stop(self) -> None:
         """Within ``shutdown_timeout_s`` whatever Kafka does; the spool is closed intact."""
         deadline = time.monotonic() + self.settings.shutdown_timeout_s
+        if self._gauges is not None:
+            self._gauges.cancel()
         if self.routed is not None:
             await self.routed.stop()
         await asyncio.gather(*(p.close() for p in self.providers), return_exceptions=True)
         await self.outbox.stop()
         await self.link.stop(deadline - time.monotonic())
+
+    async def _export_gauges(self) -> None:
+        """A worker of several writes its spool gauges out every second (the others' scrapes read them)."""
+        while True:
+            self.outbox.export_gauges()
+            await asyncio.sleep(1.0)  # a refresh period, not a synchronisation
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """(HTTP status, body) of ``/healthz``: ``ok``; ``degraded`` (200: every request is still answered
@@ -141,6 +156,8 @@ class Gateway:
             body["reasons"] = reasons
         if self.routed is not None:
             body["routing"] = self.routed.describe()
+        if self.settings.worker_index is not None:
+            body["worker"] = {"index": self.settings.worker_index, "of": self.settings.workers, "pid": os.getpid()}
         return (503 if status == "unavailable" else 200), body
 
     async def search(self, req: SearchRequest, query: str) -> tuple[SearchResponse, float]:
@@ -257,7 +274,9 @@ def create_app(settings: GatewaySettings, *, gateway: Gateway | None = None) -> 
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=PROMETHEUS)
     async def metrics() -> Response:
-        return prometheus(gw.metrics.registry)
+        if gw.metrics.multiprocess:
+            gw.outbox.export_gauges()
+        return prometheus(gw.metrics.exposition_registry())
 
     return app
 

@@ -48,6 +48,7 @@ class KafkaLink:
         if self.required:
             await self.bus.start(self.topics)  # raises BusError, as a gateway that needs Kafka should
             self.state = "connected"
+            self.on_connected()  # what an earlier run spooled drains now, not at the next spooled trace
             return
         if await self._attempt():
             return

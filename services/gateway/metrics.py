@@ -1,6 +1,13 @@
-"""Prometheus metrics of one gateway (own registry, so several apps can live in one process)."""
+"""Prometheus metrics of one gateway (own registry, so several apps can live in one process).
+
+Under the supervisor's workers (``PROMETHEUS_MULTIPROC_DIR`` set) every worker writes its values to that
+directory and ``/metrics`` on any worker collects all of them (counters and histograms summed; the spool's
+gauges summed, maxed or minned over live workers; the router version per worker).
+"""
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -11,7 +18,8 @@ _TRACE_BUCKETS = (1_000, 4_000, 16_000, 64_000, 256_000, 1_000_000, 4_000_000)
 class GatewayMetrics:
     """Counters and histograms the gateway updates per request."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, multiprocess: bool = False) -> None:
+        self.multiprocess = multiprocess and bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("fanroute_gateway_requests", "Search requests", ["mode", "status"], registry=r)
@@ -46,12 +54,13 @@ class GatewayMetrics:
         self.spool_damaged = Counter("fanroute_traces_spool_damaged_lines", "Spool lines skipped at start-up "
                                      "(a torn last line after a crash, or damage)", registry=r)
         self.spool_depth = Gauge("fanroute_traces_spool_depth", "Traces in the spool waiting for Kafka",
-                                 registry=r)
+                                 registry=r, multiprocess_mode="livesum")
         self.spool_oldest_age = Gauge("fanroute_traces_spool_oldest_age_seconds",
-                                      "Age of the oldest spooled trace (0 when the spool is empty)", registry=r)
+                                      "Age of the oldest spooled trace (0 when the spool is empty)", registry=r,
+                                      multiprocess_mode="livemax")
         self.spool_available = Gauge("fanroute_traces_spool_available",
                                      "1 when the spool can be written, 0 when it cannot (its directory or file)",
-                                     registry=r)
+                                     registry=r, multiprocess_mode="livemin")
         self.contested = Counter("fanroute_traces_contested", "Traces flagged contested", registry=r)
         self.rejected = Counter("fanroute_gateway_rejected", "Requests refused with a 4xx", ["reason"],
                                 registry=r)
@@ -65,4 +74,15 @@ class GatewayMetrics:
         self.router_seconds = Histogram("fanroute_gateway_router_seconds", "Time spent asking the router",
                                         buckets=_LATENCY_BUCKETS, registry=r)
         self.router_version = Gauge("fanroute_gateway_router_version",
-                                    "Promoted router version the gateway follows (0 = none)", registry=r)
+                                    "Promoted router version the gateway follows (0 = none)", registry=r,
+                                    multiprocess_mode="liveall")
+
+    def exposition_registry(self) -> CollectorRegistry:
+        """What ``/metrics`` answers: this gateway's registry, or every worker's values collected."""
+        if not self.multiprocess:
+            return self.registry
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        return merged

@@ -57,23 +57,35 @@ class TraceOutbox:
         self._stopping = False
         self.kafka_ready: Callable[[], bool] = lambda: True  # False while the gateway has no link to Kafka
         self.on_stuck_producer: Callable[[str], None] = lambda why: None  # the gateway reconnects
+        self.adopt_from: list[Path] = []  # spools of workers that no longer run, adopted at start
         m = metrics
-        m.spool_depth.set_function(lambda: self.spool.depth)
-        m.spool_oldest_age.set_function(self.spool.oldest_age_s)
-        m.spool_available.set_function(lambda: 1.0 if self.spool.available else 0.0)
+        if not m.multiprocess:  # read when scraped; a worker of several writes them out (export_gauges)
+            m.spool_depth.set_function(lambda: self.spool.depth)
+            m.spool_oldest_age.set_function(self.spool.oldest_age_s)
+            m.spool_available.set_function(lambda: 1.0 if self.spool.available else 0.0)
+
+    def export_gauges(self) -> None:
+        """Write the spool's gauges (a worker's values, collected across workers by ``/metrics``)."""
+        m = self.metrics
+        m.spool_depth.set(self.spool.depth)
+        m.spool_oldest_age.set(self.spool.oldest_age_s())
+        m.spool_available.set(1.0 if self.spool.available else 0.0)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Open the spool (what an earlier run left is drained) and start the drainer."""
         try:
-            left = await asyncio.to_thread(self.spool.open)
+            await asyncio.to_thread(self.spool.open)
         except SpoolUnavailable as exc:
             log.error("trace spool unavailable: %s; a trace Kafka does not acknowledge within %.2f s will be "
                       "answered 503", exc, self.publish_wait_s)
-            left = []
-        if left:
+        if self.adopt_from and self.spool.available:
+            from services.gateway.workers import adopt
+
+            await asyncio.to_thread(adopt, self.adopt_from, self.spool)
+        if self.spool.depth:
             log.warning("trace spool %s holds %d traces from an earlier run (oldest %.0f s); re-publishing",
-                        self.spool.path, len(left), self.spool.oldest_age_s())
+                        self.spool.path, self.spool.depth, self.spool.oldest_age_s())
         if self.spool.torn_tail or self.spool.corrupt:
             self.metrics.spool_damaged.inc(int(self.spool.torn_tail) + self.spool.corrupt)
         self._drainer = asyncio.create_task(self._drain(), name="trace-spool-drainer")

@@ -119,6 +119,13 @@ class GatewaySettings(ServiceSettings):
         default=10.0, gt=0, le=600,
         description="A clean stop finishes within this, Kafka reachable or not (what it did not acknowledge "
                     "stays in the spool for the next start)")
+    workers: int = Field(
+        default=1, ge=1, le=64,
+        description="Gateway processes serving the one port (SO_REUSEPORT), each with its own event loop, Kafka "
+                    "producer and spool directory (<spool_dir>/worker-<i>); worth it where a core is free")
+    worker_index: int | None = Field(
+        default=None, ge=0, le=63,
+        description="Set by the gateway's supervisor for each of its workers (FANROUTE_WORKERS > 1); leave unset")
     spool_dir: Path | None = Field(
         default=None, description="Directory of the trace spool (outbox); default <cache_dir>/spool "
                                   "(see services.common.paths). One gateway per directory (it is locked)")
@@ -145,6 +152,8 @@ class GatewaySettings(ServiceSettings):
         if not any(p.enabled for p in self.providers):
             raise ValueError("at least one provider must be enabled")
         _check_routing(self.routing, [p.name for p in self.providers if p.enabled], self.deadline_s)
+        if self.worker_index is not None and self.worker_index >= self.workers:
+            raise ValueError(f"worker_index {self.worker_index} must be below workers ({self.workers})")
         if self.drift:
             from services.providers.drift import parse_drift
 

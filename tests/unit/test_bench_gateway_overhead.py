@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.gateway_overhead import main, trace_bytes
 from bench.plot_gateway_overhead import plot
 
@@ -30,3 +32,18 @@ def test_a_short_run_reports_every_row_and_plots(tmp_path):
     assert set(out["ratio"]) == {"plain Python proxy", "fanroute gateway (in-memory bus)"}
     plot([out_path], tmp_path / "gw.png")
     assert (tmp_path / "gw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.redis
+def test_a_short_run_measures_workers_and_routed_mode_with_the_decision_apart(tmp_path, redis_url):
+    out_path = tmp_path / "gw.json"
+    main(["--requests", "30", "--concurrency", "5", "--snippet-chars", "100", "--workers", "2", "--routed",
+          "--redis", redis_url, "--out", str(out_path)])
+    rows = json.loads(out_path.read_text())["results"]
+    workers, routed = rows["fanroute gateway (in-memory bus, 2 workers)"], rows["fanroute gateway (routed linear, "
+                                                                                "in-memory bus)"]
+    assert workers["cpu_ms_per_request"]["gateway"] > 0  # the workers' CPU, counted through the supervisor
+    # the promoted linear router decided most requests (10 % keep fanning out), each in its own figure
+    assert routed["router_decisions"] >= 20 and 0 < routed["router_p50_ms"] <= routed["router_p99_ms"]
+    assert routed["routed_requests"]["router"] >= 20 and routed["routed_requests"].get("fallback", 0) == 0
+    assert routed["trace_bytes_mean"] < rows["fanroute gateway (in-memory bus)"]["trace_bytes_mean"]  # one answer
