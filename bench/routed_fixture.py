@@ -8,7 +8,6 @@ stamps in Redis) and promoted, exactly as ``fanroute linear fit`` and the promot
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -64,13 +63,12 @@ def start_publisher(port: int, redis_url: str, kafka: str, storage: Path) -> sub
 def publish_and_promote(publisher_url: str, providers: list[str], fallback: str) -> str:
     """Fit the linear router on :func:`episodes`, publish and promote it; returns its served name."""
     sys.path.insert(0, str(ROOT))
-    from services.common.adapter_files import LINEAR_ARTIFACT
     from services.common.publisher_client import PublisherClient
-    from services.router.linear import fit, to_artifact
+    from services.router.linear import fit, write_artifact
 
     router = fit(episodes(providers), seed=0)
     with tempfile.TemporaryDirectory(prefix="fanroute-bench-linear-") as tmp:
-        (Path(tmp) / LINEAR_ARTIFACT).write_text(json.dumps(to_artifact(router), sort_keys=True) + "\n")
+        write_artifact(router, Path(tmp))
         with PublisherClient(publisher_url) as client:
             msg = client.publish(MODEL_ID, Path(tmp), "tfidf+logreg", {"train_episodes": float(router.train_episodes)})
             client.promote(MODEL_ID, int(msg["version"]), fallback_provider=fallback,

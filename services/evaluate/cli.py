@@ -117,20 +117,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _linear_fit(args: argparse.Namespace) -> int:
     """Fit, write the artifact, publish it when asked; prints what was fitted and the version published."""
-    import json
-
-    from services.common.adapter_files import LINEAR_ARTIFACT
     from services.evaluate.inputs import EvalInputError
-    from services.router.linear import LinearRouterError, fit, to_artifact
+    from services.router.linear import LinearRouterError, fit, write_artifact
     from services.trainer.data import load_episodes_file
 
     try:
         router = fit(load_episodes_file(args.train_episodes), seed=args.seed)
     except LinearRouterError as exc:
         raise EvalInputError(f"{args.train_episodes}: {exc}") from exc
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / LINEAR_ARTIFACT
-    path.write_text(json.dumps(to_artifact(router), sort_keys=True) + "\n")
+    path = write_artifact(router, args.out)
     print(f"linear router: {router.train_episodes} episodes, labels {router.labels}, C {router.c:g}, "
           f"cross-validated accuracy {router.cv_accuracy:.3f} -> {path}")
     if args.publisher_url:

@@ -9,7 +9,6 @@ repeated once ``trained`` is recorded, and a promotion the publisher already hol
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import subprocess
 import time
@@ -187,14 +186,12 @@ class CycleRunner:
         """Fit/train the candidate on ``train_file`` and publish it; returns its served name."""
         s = self.settings
         if s.kind == "linear":
-            from services.common.adapter_files import LINEAR_ARTIFACT
-            from services.router.linear import fit, to_artifact
+            from services.router.linear import fit, write_artifact
             from services.trainer.data import load_episodes_file
 
             router = fit(load_episodes_file(train_file), seed=0)
             out = work / "linear"
-            out.mkdir(parents=True, exist_ok=True)
-            (out / LINEAR_ARTIFACT).write_text(json.dumps(to_artifact(router), sort_keys=True) + "\n")
+            write_artifact(router, out)
             metrics = {k: v for k, v in {"cv_accuracy": router.cv_accuracy,
                                          "train_episodes": float(router.train_episodes)}.items() if v == v}
             with self.publisher() as client:

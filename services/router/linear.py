@@ -12,12 +12,14 @@ cross-validation on the training episodes only (never on the queries it is evalu
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from schemas.episode import Episode
@@ -90,6 +92,16 @@ def to_artifact(router: LinearRouter) -> dict[str, Any]:
             "coef": [[float(x) for x in row] for row in clf.coef_], "intercept": [float(x) for x in clf.intercept_],
             "C": router.c, "cv_accuracy": None if math.isnan(router.cv_accuracy) else router.cv_accuracy,
             "train_episodes": router.train_episodes, "labels": router.labels}
+
+
+def write_artifact(router: LinearRouter, directory: Path) -> Path:
+    """Write the fitted router's artifact file into ``directory`` (created); returns its path."""
+    from services.common.adapter_files import LINEAR_ARTIFACT
+
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LINEAR_ARTIFACT
+    path.write_text(json.dumps(to_artifact(router), sort_keys=True) + "\n")
+    return path
 
 
 def from_artifact(data: dict[str, Any]) -> LinearRouter:
