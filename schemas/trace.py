@@ -81,6 +81,9 @@ class Route(Message):
                                           "continuation of the router prompt (empty when generating or on fallback)")
     cost_weight: float | None = Field(default=None, ge=0,
                                       description="λ of the decision: expected quality minus λ · cost (USD)")
+    decision: Literal["top-tier", "first-choice"] | None = Field(
+        default=None, description="What the expected quality was: P(in the judge's top tier), through the router's "
+                                  "top-tier table, or P(the judge's cost-aware first choice); None without scores")
 
 
 class Trace(Message):

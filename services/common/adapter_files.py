@@ -22,10 +22,13 @@ from services.common.errors import FanrouteError
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 REQUIRED_FILES = frozenset({"adapter_config.json", "adapter_model.safetensors"})
-#: What a PEFT adapter directory may hold: the adapter, its card, and the tokenizer saved beside it.
-#: No pickles (``.bin``): a consumer should never have to unpickle what it pulled.
+#: The top-tier table the router decides with (services/router/rates.py), written beside the adapter by
+#: the trainer; a version without it decides by the first choice.
+RATES_FILE = "top_tier_rates.json"
+#: What a PEFT adapter directory may hold: the adapter, its card, its top-tier table, and the tokenizer
+#: saved beside it. No pickles (``.bin``): a consumer should never have to unpickle what it pulled.
 ADAPTER_FILES = REQUIRED_FILES | frozenset({
-    "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    RATES_FILE, "README.md", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model",
 })
 #: A linear router version: its JSON artifact (services/router/linear.py) and, optionally, a card.

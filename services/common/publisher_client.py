@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from services.common.adapter_files import CHUNK, materialize, sha256_file
+from services.common.adapter_files import CHUNK, HashMismatch, materialize, sha256_file
 from services.common.errors import FanrouteError
 
 
@@ -107,6 +108,13 @@ class PublisherClient:
             raise PublisherClientError(f"{url}: manifest files {manifest['files_sha256']} differ from "
                                        f"the announced {expect_sha256}")
         return self._fetch(manifest, Path(dest_dir))
+
+    def fetch_file(self, manifest: dict[str, Any], name: str) -> bytes:
+        """One file of a version (small ones: it is read into memory), its sha256 verified."""
+        data = b"".join(self._stream(manifest["file_urls"][name]))
+        if hashlib.sha256(data).hexdigest() != manifest["files_sha256"][name]:
+            raise HashMismatch(f"{name}: sha256 differs from the manifest's")
+        return data
 
     def _fetch(self, manifest: dict[str, Any], dest_dir: Path) -> Path:
         urls = manifest["file_urls"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.common.files import instant
 from services.common.rewards import DEFAULT_COST_WEIGHT
-from services.router.modes import DEFAULT_MODE, MODES
+from services.router.modes import DECISIONS, DEFAULT_DECISION, DEFAULT_MODE, MODES
 
 EVAL_HELP = "compare a candidate router with the deployed one and the baselines on held-out fan-out traces"
 PROMOTE_HELP = "promote a candidate router only if it beats the deployed one and the best single provider"
@@ -56,7 +56,11 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
                    help="lm: adapters served at --router-url; linear: linear-router versions pulled from "
                         "--publisher-url and asked in-process, as a gateway with routing.kind=linear asks them")
     p.add_argument("--cost-weight", type=_non_negative, default=DEFAULT_COST_WEIGHT,
-                   help="λ of the routers' rows: choose by P(best) − λ · cost per call in USD (scoring mode)")
+                   help="λ of the routers' rows: choose by expected quality − λ · cost per call in USD (scoring)")
+    p.add_argument("--decision", choices=DECISIONS, default=DEFAULT_DECISION,
+                   help="top-tier: expected quality = P(in the judge's top tier), through each router's top-tier "
+                        "table (an adapter's is pulled from --publisher-url); first-choice: P(the judge's "
+                        "cost-aware first choice). As the gateway's routing.decision")
     p.add_argument("--max-attempts", type=int, default=2, help="providers tried per query (failover)")
     p.add_argument("--concurrency", type=int, default=1, help="router and judge calls in flight")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
@@ -151,7 +155,8 @@ def _options(args: argparse.Namespace):
                        publisher_url=args.publisher_url, router_url=args.router_url, traces_file=args.traces,
                        since=args.since, until=args.until, router_timeout_s=args.router_timeout,
                        router_max_tokens=args.router_max_tokens, router_mode=args.router_mode,
-                       router_kind=args.router_kind, cost_weight=args.cost_weight, max_attempts=args.max_attempts,
+                       router_kind=args.router_kind, cost_weight=args.cost_weight, decision=args.decision,
+                       max_attempts=args.max_attempts,
                        concurrency=args.concurrency, seed=args.seed, resamples=args.bootstrap,
                        progress=not args.no_progress)
 

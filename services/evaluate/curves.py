@@ -19,7 +19,7 @@ from services.evaluate.baseline import NoBaseline, choose_best_single
 from services.evaluate.frontier import FrontierReport, frontier_report
 from services.evaluate.metrics import MEASURES, PolicyMetrics
 from services.evaluate.policies import BEST_SINGLE, FANOUT, JUDGE_ORACLE, ORACLE, QueryScores, RouterCall
-from services.router.scoring import probabilities
+from services.router.scoring import quality
 
 #: Baseline rows of the eval drawn as named points beside the curve.
 POINTS = (BEST_SINGLE, JUDGE_ORACLE, ORACLE, FANOUT)
@@ -75,7 +75,7 @@ def candidate_curves(scored: Sequence[QueryScores], calls: Mapping[str, RouterCa
     for i, q in enumerate(scored):
         call = calls[q.trace.trace_id]
         if call.scores and call.error_kind is None:
-            probs = probabilities(call.scores)
+            probs = quality(call.scores, call.rates)  # what the decision maximises, as the gateway's
             P_QP[i] = [probs.get(n, 0.0) for n in names]
         else:
             P_QP[i, names.index(best_single)] = 1.0

@@ -55,6 +55,7 @@ class RouterCall:
     raw: str = ""
     error: str = ""
     scores: dict[str, float] | None = None  # the scoring router: each provider's summed log-probability
+    rates: Mapping[str, Mapping[str, float]] | None = None  # the top-tier table decided with (None: first choice)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class EvalInputs(BaseModel):
     linear: dict[str, Any] | None = Field(default=None, description="The linear router: kind, C, cv accuracy, "
                                                                       "training label counts")
     cost_weight: float = Field(default=0.0, description="λ the router rows decide with")
+    decision: Literal["top-tier", "first-choice"] = Field(
+        default="first-choice", description="What the router rows' expected quality was (routing.decision)")
     seed: int
     notes: dict[str, str] = Field(default_factory=lambda: dict(NOTES))
 

@@ -55,7 +55,7 @@ async def ask_all(client: RouterClient, model: str, traces: Sequence[Trace], *, 
             return t.trace_id, RouterCall(error_kind=exc.kind, router_ms=_ms(t0), raw=getattr(exc, "raw", ""),
                                           error=str(exc))
         return t.trace_id, RouterCall(ordering=answer.ordering, router_ms=_ms(t0), raw=answer.raw,
-                                      scores=answer.scores)
+                                      scores=answer.scores, rates=answer.rates)
 
     return dict(await gather_bounded(one, traces, concurrency=concurrency, desc=f"route {model}", unit="q",
                                      progress=progress))

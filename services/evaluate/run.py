@@ -26,7 +26,7 @@ from services.evaluate.policies import QueryScores, RouterCall
 from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, QueryRow
 from services.evaluate.routers import ask_all, probe, split_served_name
 from services.judge.settings import JudgeSettings
-from services.router.modes import DEFAULT_MODE, RouterMode
+from services.router.modes import DEFAULT_DECISION, DEFAULT_MODE, Decision, RouterMode
 
 
 class EvalOptions(BaseModel):
@@ -48,7 +48,9 @@ class EvalOptions(BaseModel):
         default="lm", description="lm: the adapters are asked at router_url; linear: published linear-router "
                                   "versions, pulled from publisher_url and asked in-process (as the gateway does)")
     cost_weight: float = Field(default=DEFAULT_COST_WEIGHT, ge=0, le=1e6,
-                               description="λ of the routers' rows: P(best) − λ · cost (the curve sweeps λ)")
+                               description="λ of the routers' rows: expected quality − λ · cost (the curve sweeps λ)")
+    decision: Decision = Field(default=DEFAULT_DECISION,
+                               description="What the expected quality is, as the gateway's routing.decision")
     max_attempts: int = Field(default=2, ge=1, le=32)
     concurrency: int = Field(default=1, ge=1, le=256)
     seed: int = 0
@@ -98,7 +100,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
     linear = await asyncio.to_thread(fit_linear, episodes, opts.seed) if opts.router_kind == "lm" else None
     if linear is not None:
         adapters[pol.LINEAR] = LINEAR_NAME
-        calls[LINEAR_NAME] = linear_calls(linear, held.traces, opts.cost_weight)
+        calls[LINEAR_NAME] = linear_calls(linear, held.traces, opts.cost_weight, top_tier=opts.decision == "top-tier")
     scored, judge = await _score(opts, settings, held.traces)
     outcomes, rows = replay(scored, adapters, calls, best.provider, opts.max_attempts)
     metrics, comparisons = summarise(outcomes, adapters, seed=opts.seed, resamples=opts.resamples)
@@ -113,7 +115,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         router_url=opts.router_url, router_timeout_s=opts.router_timeout_s,
         router_max_tokens=opts.router_max_tokens, max_attempts=opts.max_attempts, judge=judge,
         best_single=best, linear=linear.describe() if linear is not None else None, cost_weight=opts.cost_weight,
-        seed=opts.seed)
+        decision=opts.decision, seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
                       queries=rows, frontier=curves, collections=per_collection(scored, outcomes))
 
@@ -133,15 +135,17 @@ def fit_linear(episodes, seed: int):
         return None
 
 
-def linear_calls(router, traces: list[Trace], cost_weight: float) -> dict[str, RouterCall]:
+def linear_calls(router, traces: list[Trace], cost_weight: float, *, top_tier: bool = True) -> dict[str, RouterCall]:
     """trace id → the linear router's decision on that trace's query and providers, timed."""
     from services.router.linear import decide_timed
 
     out = {}
     for t in traces:
         ordering, scores, ms = decide_timed(router, t.query, [c.provider for c in t.candidates],
-                                            {c.provider: c.cost_usd for c in t.candidates}, cost_weight)
-        out[t.trace_id] = RouterCall(ordering=ordering, router_ms=round(ms, 3), scores=scores)
+                                            {c.provider: c.cost_usd for c in t.candidates}, cost_weight,
+                                            top_tier=top_tier)
+        out[t.trace_id] = RouterCall(ordering=ordering, router_ms=round(ms, 3), scores=scores,
+                                     rates=router.rates if top_tier else None)
     return out
 
 
@@ -167,12 +171,13 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
     for name in names:
         await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     calls: dict[str, dict[str, RouterCall]] = {}
+    rates_from = opts.publisher_url if opts.decision == "top-tier" else None
     async with RouterClient(opts.router_url, timeout_s=opts.router_timeout_s, max_tokens=opts.router_max_tokens,
-                            mode=opts.router_mode) as client:
+                            mode=opts.router_mode, rates_from=rates_from) as client:
         for name in names:
             calls[name] = with_cost_weight(
                 await ask_all(client, name, traces, concurrency=opts.concurrency, progress=opts.progress),
-                traces, opts.cost_weight)
+                traces, opts.cost_weight, opts.decision)
             if any(c.error_kind == "router_error" for c in calls[name].values()):
                 # An error may be the router's or the server's: a server that went away (or stopped
                 # serving the adapter) spoils the measurement rather than measuring the router.
@@ -196,23 +201,29 @@ async def _ask_linear(opts: EvalOptions, names: list[str], traces: list[Trace]) 
             except RouterError as exc:
                 raise EvalInputError(f"linear router {name!r} cannot be loaded from {opts.publisher_url}: {exc}") from exc
             calls[name] = with_cost_weight(await ask_all(client, name, traces, concurrency=opts.concurrency,  # type: ignore[arg-type]
-                                                         progress=opts.progress), traces, opts.cost_weight)
+                                                         progress=opts.progress), traces, opts.cost_weight, opts.decision)
     finally:
         await client.close()
     return calls
 
 
-def with_cost_weight(calls: dict[str, RouterCall], traces: list[Trace], cost_weight: float) -> dict[str, RouterCall]:
-    """Scored calls re-ordered by P(best) − λ · cost, each provider's cost as its trace says (what the
-    gateway does with the same scores)."""
+def with_cost_weight(calls: dict[str, RouterCall], traces: list[Trace], cost_weight: float,
+                     decision: Decision = DEFAULT_DECISION) -> dict[str, RouterCall]:
+    """Scored calls re-ordered by expected quality − λ · cost, each provider's cost as its trace says (what
+    the gateway does with the same scores and the same decision)."""
     from dataclasses import replace
 
     from services.router.scoring import decide
 
     by_id = {t.trace_id: t for t in traces}
-    return {tid: replace(c, ordering=decide(c.scores, {x.provider: x.cost_usd for x in by_id[tid].candidates},
-                                            cost_weight)) if c.scores and c.error_kind is None else c
-            for tid, c in calls.items()}
+    out = {}
+    for tid, c in calls.items():
+        if c.scores and c.error_kind is None:
+            rates = c.rates if decision == "top-tier" else None
+            c = replace(c, rates=rates, ordering=decide(c.scores, {x.provider: x.cost_usd
+                                                                   for x in by_id[tid].candidates}, cost_weight, rates))
+        out[tid] = c
+    return out
 
 
 async def _score(opts: EvalOptions, settings: JudgeSettings,

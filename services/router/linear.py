@@ -25,6 +25,7 @@ from typing import Any
 from schemas.episode import Episode
 from services.common.ndcg import parse_ordering
 from services.common.prompt import providers_of, query_of
+from services.router.rates import RatesError, from_json, to_json, top_tier_rates
 
 #: Regularisation grid the cross-validation chooses from (inverse strength, scikit-learn's C).
 C_GRID = (0.25, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0)
@@ -58,6 +59,7 @@ class LinearRouter:
     cv_accuracy: float
     train_episodes: int
     labels: dict[str, int] = field(default_factory=dict)
+    rates: dict[str, dict[str, float]] | None = None  # the top-tier table (services/router/rates.py)
 
     def scores(self, query: str, providers: Sequence[str] | None = None) -> dict[str, float]:
         """Provider → log-probability (every provider asked about; an unseen label gets :data:`UNSEEN_LOGPROB`)."""
@@ -91,7 +93,8 @@ def to_artifact(router: LinearRouter) -> dict[str, Any]:
             "classes": list(router.classes), "features": features,
             "coef": [[float(x) for x in row] for row in clf.coef_], "intercept": [float(x) for x in clf.intercept_],
             "C": router.c, "cv_accuracy": None if math.isnan(router.cv_accuracy) else router.cv_accuracy,
-            "train_episodes": router.train_episodes, "labels": router.labels}
+            "train_episodes": router.train_episodes, "labels": router.labels,
+            **({"top_tier_rates": router.rates} if router.rates is not None else {})}
 
 
 def write_artifact(router: LinearRouter, directory: Path) -> Path:
@@ -131,10 +134,12 @@ def from_artifact(data: dict[str, Any]) -> LinearRouter:
             raise LinearRouterError("coef does not match the classes and the vocabularies")
         pipeline = make_pipeline(FeatureUnion(vecs), clf)
         cv = data.get("cv_accuracy")
+        rates = from_json(to_json(data["top_tier_rates"], 0)) if "top_tier_rates" in data else None
         return LinearRouter(providers=tuple(data["providers"]), classes=tuple(data["classes"]), pipeline=pipeline,
                             c=float(data["C"]), cv_accuracy=float("nan") if cv is None else float(cv),
-                            train_episodes=int(data["train_episodes"]), labels=dict(data.get("labels", {})))
-    except LinearRouterError:
+                            train_episodes=int(data["train_episodes"]), labels=dict(data.get("labels", {})),
+                            rates=rates)
+    except (LinearRouterError, RatesError):
         raise
     except (KeyError, TypeError, ValueError) as exc:
         raise LinearRouterError(f"malformed linear router artifact: {type(exc).__name__}: {exc}") from exc
@@ -178,15 +183,17 @@ def fit(episodes: Sequence[Episode], *, seed: int = 0, folds: int = 5) -> Linear
     pipeline = _pipeline(best_c).fit(queries, labels)
     providers = tuple(sorted({n for _, _, names in rows for n in names} | set(labels)))
     return LinearRouter(providers=providers, classes=tuple(pipeline.classes_), pipeline=pipeline, c=best_c,
-                        cv_accuracy=best_acc, train_episodes=len(rows), labels=dict(sorted(counts.items())))
+                        cv_accuracy=best_acc, train_episodes=len(rows), labels=dict(sorted(counts.items())),
+                        rates=top_tier_rates(episodes))
 
 
 def decide_timed(router: LinearRouter, query: str, providers: Sequence[str], cost_usd: Mapping[str, float],
-                 cost_weight: float) -> tuple[tuple[str, ...], dict[str, float], float]:
-    """(ordering, scores, decision time in ms) for one query, decided as the scoring router decides."""
+                 cost_weight: float, *, top_tier: bool = True) -> tuple[tuple[str, ...], dict[str, float], float]:
+    """(ordering, scores, decision time in ms) for one query, decided as the scoring router decides
+    (``top_tier``: with the router's top-tier table, when it has one)."""
     from services.router.scoring import decide
 
     t0 = time.perf_counter()
     scores = router.scores(query, providers)
-    ordering = decide(scores, cost_usd, cost_weight)
+    ordering = decide(scores, cost_usd, cost_weight, router.rates if top_tier else None)
     return ordering, scores, (time.perf_counter() - t0) * 1000.0

@@ -21,6 +21,7 @@ from services.common.adapter_files import LINEAR_ARTIFACT, AdapterFilesError, ar
 from services.router.client import RouterAnswer, RouterError, RouterTimeout
 from services.router.linear import LinearRouter, LinearRouterError, from_artifact
 from services.router.parse import ParsedOrdering
+from services.router.rates import RatesError
 from services.router.scoring import decide
 
 #: Versions kept loaded (a promotion and the one before it, with room to spare).
@@ -60,7 +61,8 @@ class LinearRouterClient:
         scores = router.scores(query, providers)
         parsed = ParsedOrdering(tiers=tuple((n,) for n in decide(scores, {}, 0.0)), unknown=(), missing=())
         return RouterAnswer(parsed, "", round((time.perf_counter() - t0) * 1000.0, 3),
-                            scores={n: round(s, 6) for n, s in scores.items()}, adapter_sha256=digest)
+                            scores={n: round(s, 6) for n, s in scores.items()}, adapter_sha256=digest,
+                            rates=router.rates)
 
     async def _router(self, model: str, budget: float) -> tuple[LinearRouter, str]:
         if model in self._loaded:
@@ -106,5 +108,5 @@ class LinearRouterClient:
             raise RouterError(f"linear router {model}: its artifact could not be read: {exc}") from exc
         try:
             return from_artifact(data), content_digest(manifest["files_sha256"])
-        except LinearRouterError as exc:
+        except (LinearRouterError, RatesError) as exc:
             raise RouterError(f"linear router {model}: {exc}") from exc

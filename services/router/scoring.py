@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from services.common.prompt import RENDERERS, router_messages
+from services.router.rates import Rates, expected_top_tier
 
 
 class ScoresUnreadable(ValueError):
@@ -88,15 +89,23 @@ def probabilities(scores: Mapping[str, float]) -> dict[str, float]:
     return {n: w / total for n, w in weights.items()}
 
 
+def quality(scores: Mapping[str, float], rates: Rates | None = None) -> dict[str, float]:
+    """Each provider's expected quality from the router's scores: P(it is the judge's cost-aware first
+    choice), or with a top-tier table (:mod:`services.router.rates`) P(it is in the judge's top tier)."""
+    probs = probabilities(scores)
+    return probs if rates is None else expected_top_tier(probs, rates)
+
+
 def utilities(probs: Mapping[str, float], cost_usd: Mapping[str, float], cost_weight: float) -> dict[str, float]:
-    """Expected quality minus λ · cost per provider; the expected quality of a provider is the router's
-    probability that it is the judge's best (so λ is in probability per USD)."""
+    """Expected quality minus λ · cost per provider (λ in quality per USD)."""
     return {n: p - cost_weight * cost_usd.get(n, 0.0) for n, p in probs.items()}
 
 
-def decide(scores: Mapping[str, float], cost_usd: Mapping[str, float], cost_weight: float) -> tuple[str, ...]:
-    """Providers by utility, best first; ties go to the cheaper, then by name."""
-    util = utilities(probabilities(scores), cost_usd, cost_weight)
+def decide(scores: Mapping[str, float], cost_usd: Mapping[str, float], cost_weight: float,
+           rates: Rates | None = None) -> tuple[str, ...]:
+    """Providers by utility, best first; ties go to the cheaper, then by name. ``rates``: decide by the
+    top-tier table (the ``top-tier`` decision); None: by the first-choice probability."""
+    util = utilities(quality(scores, rates), cost_usd, cost_weight)
     return tuple(sorted(util, key=lambda n: (-util[n], cost_usd.get(n, 0.0), n)))
 
 

@@ -20,7 +20,7 @@ from schemas.episode import Episode
 from schemas.trace import Trace
 from services.common.dataset import write_jsonl
 from services.common.settings import KafkaSettings, RedisSettings
-from services.router.modes import RouterMode
+from services.router.modes import Decision, RouterMode
 from services.router.policy import held_out
 from services.tools.serving import free_port, served
 from services.tools.steps import step
@@ -43,6 +43,11 @@ class LoopOptions:
     # decisions, 1.4x faster at 1 concurrent and 1.7x at 20; bench/results/router_decision_lean_fp32.json);
     # the evaluation and the routed gateway ask the same way
     router_mode: RouterMode = "first-token"
+    # λ (quality per USD) and the decision of the evaluation's router rows and of the routed gateway: the top-tier
+    # decision at λ = 150 was chosen by 5-fold cross-validation on the training split only (bench/decision_rules.py:
+    # the judge's grade above web-lexical's at 55 % of its cost); the held-out queries never chose it
+    cost_weight: float = 150.0
+    decision: Decision = "top-tier"
     max_router_p99_ms: float = 2000.0  # the promotion's latency rule: the router's own p99 on the held-out queries
     fanout_fraction: float = 0.1
     # The CPU sampler answers about one routing request per second (generation is serialised), so the
@@ -117,7 +122,8 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
                 print(f"      {candidate} was not promoted and nothing was before it: outside the fan-out slice the "
                       f"best single provider ({report.inputs.best_single.provider}) answers, counted as "
                       "no_adapter fallbacks", flush=True)
-            code = await _routed_traffic(kafka, redis, gateway_settings, sampler_url, report, data, opts)
+            code = await _routed_traffic(kafka, redis, gateway_settings, sampler_url, publisher_url, report, data,
+                                         opts)
     print(f"\nresult: {candidate} {'PROMOTED' if decision.promoted else 'not promoted'}; the evaluation table:")
     from services.evaluate.report import render
 
@@ -168,7 +174,8 @@ async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_ur
     report = await run_eval(EvalOptions(
         train_episodes=data.train_file, candidate=candidate, deployed="auto", publisher_url=publisher_url,
         router_url=sampler_url, traces_file=data.traces_file, router_timeout_s=opts.router_timeout_s,
-        router_max_tokens=opts.router_max_tokens, router_mode=opts.router_mode), judge)
+        router_max_tokens=opts.router_max_tokens, router_mode=opts.router_mode, cost_weight=opts.cost_weight,
+        decision=opts.decision), judge)
     eval_dir = out_dir / "eval"
     print(f"report: {write_json(report, eval_dir)}\nplot:   {write_plot(report, eval_dir)}")
     decision = decide(report, eval_file=str(eval_dir / "eval.json"), max_router_p99_ms=opts.max_router_p99_ms)
@@ -187,8 +194,8 @@ async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_ur
     return report, decision
 
 
-async def _routed_traffic(kafka, redis, gateway_settings, sampler_url: str, report, data: Split,
-                          opts: LoopOptions) -> int:
+async def _routed_traffic(kafka, redis, gateway_settings, sampler_url: str, publisher_url: str, report,
+                          data: Split, opts: LoopOptions) -> int:
     """Held-out queries through a routed gateway; what came back, read from the traces topic."""
     from services.gateway.app import create_app
     from services.gateway.settings import RoutingSettings
@@ -199,7 +206,9 @@ async def _routed_traffic(kafka, redis, gateway_settings, sampler_url: str, repo
     port = free_port()
     routing = RoutingSettings(enabled=True, model_id=MODEL_ID, router_url=sampler_url,
                               fanout_fraction=opts.fanout_fraction, router_timeout_s=opts.router_timeout_s,
-                              mode=opts.router_mode, max_tokens=opts.router_max_tokens, fallback_provider=report.inputs.best_single.provider)
+                              mode=opts.router_mode, max_tokens=opts.router_max_tokens,
+                              cost_weight=opts.cost_weight, decision=opts.decision, publisher_url=publisher_url,
+                              fallback_provider=report.inputs.best_single.provider)
     settings = gateway_settings.model_copy(update={"port": port, "routing": routing, "redis": redis})
     queries = [ReplayQuery(t.query_id or t.trace_id, t.query) for t in data.held_out][:opts.routed_queries]
     print(f"      {len(queries)} queries at {opts.rate:g}/s, {opts.fanout_fraction:.0%} fan-out slice", flush=True)

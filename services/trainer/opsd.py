@@ -58,6 +58,7 @@ from services.trainer.train import (
     _from_kafka,
     _print,
     _save_adapter,
+    inherited_rates,
     build_model,
     build_optimizer,
     load_dataset,
@@ -369,7 +370,7 @@ def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None 
     if start < plan.steps:
         save(plan.steps)
     run_eval(plan.steps)
-    adapter_dir = _save_adapter(model, output_dir / "adapter")
+    adapter_dir = _save_adapter(model, output_dir / "adapter", inherited_rates(s.init_adapter))
     final |= {"steps": plan.steps, "episodes": len(plan.examples), "served": served, "version": version,
               "allow_uncalibrated": s.allow_uncalibrated, "uncalibrated_episodes": plan.uncalibrated_episodes,
               "one_pass_capped": plan.capped}

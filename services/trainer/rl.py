@@ -55,6 +55,7 @@ from services.trainer.train import (
     RunResult,
     _print,
     _save_adapter,
+    inherited_rates,
     build_model,
     build_optimizer,
     publisher_for,
@@ -340,7 +341,7 @@ async def train_rl_async(settings: TrainerSettings, *, tasks: Sequence[Task] | N
     finally:
         with contextlib.suppress(Exception):
             await loop.bus.stop()
-    adapter_dir = _save_adapter(model, output_dir / "adapter")
+    adapter_dir = _save_adapter(model, output_dir / "adapter", inherited_rates(s.init_adapter))
     final |= {"steps": s.max_steps, "served": served, "version": version, "wall_time_s": time.perf_counter() - t_run,
               "requeues_total": loop.requeues_total}
     metrics.write({"event": "end", "step": s.max_steps, **final})

@@ -22,7 +22,8 @@ from typing import Any
 from schemas.episode import Episode
 from services.common.prompt import chat_messages
 from services.router.linear import first_choice
-from services.router.scoring import common_prefix, probabilities
+from services.router.rates import Rates
+from services.router.scoring import common_prefix, decide
 from services.trainer.shared_prefix import plain_head, suffix_hidden
 
 
@@ -80,8 +81,10 @@ def name_scores(model: Any, item: RouteItem, pad_id: int) -> dict[str, float]:
     return out
 
 
-def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int) -> dict[str, float]:
-    """The routing figures of the module docstring over ``items`` (empty when there are none)."""
+def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int,
+                   rates: Rates | None = None) -> dict[str, float]:
+    """The routing figures of the module docstring over ``items`` (empty when there are none); with
+    ``rates``, each pick is the gateway's top-tier decision (λ = 0), else the most likely first choice."""
     if not items:
         return {}
     was_training = model.training
@@ -89,8 +92,7 @@ def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int) -> dict[
     try:
         picks = []
         for item in items:
-            probs = probabilities(name_scores(model, item, pad_id))
-            picks.append(max(sorted(probs), key=lambda n: probs[n]))
+            picks.append(decide(name_scores(model, item, pad_id), {}, 0.0, rates)[0])
     finally:
         model.train(was_training)
     n = len(items)

@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from schemas.episode import Episode
+from services.common.adapter_files import RATES_FILE
 from services.common.errors import BusError, ConfigError, FanrouteError
 from services.common.files import atomic_dir
 from services.common.prompt import retarget
 from services.models.prepare import is_prepared, resolve_base
 from services.router.linear import first_choice
+from services.router.rates import to_json as rates_json
+from services.router.rates import top_tier_rates
 from services.trainer import checkpoint as ckpt
 from services.trainer.data import (
     Example,
@@ -82,6 +85,8 @@ class Plan:
     tokenizer: Any = None
     examples: list[Example] = field(default_factory=list)
     batches: list[list[int]] = field(default_factory=list)
+    # the top-tier table of the training episodes (before retargeting), written beside the adapter
+    rates: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
     def steps_per_pass(self) -> int:
@@ -178,6 +183,7 @@ def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = 
     train_eps, eval_eps = split_by_query(selection.kept, settings.eval_fraction)
     # the target rewrites only what is trained on: the eval episodes keep the judge's whole ordering to grade by
     target = getattr(run, "target", "ordering")
+    rates = top_tier_rates(train_eps)
     train_eps = [retarget(ep, target) for ep in train_eps]
     counts: dict[str, Any] = dict(selection.counts) | {"reward": selection.reward, "train_episodes": len(train_eps),
                                                        "eval_episodes": len(eval_eps), "target": target}
@@ -185,7 +191,8 @@ def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = 
         raise ConfigError(f"eval_fraction {settings.eval_fraction} holds out every one of the "
                           f"{len(selection.kept)} selected episodes; nothing is left to train on")
     base_dir = resolve_base(settings.base_model, prepare=not settings.dry_run)
-    plan = Plan(settings, source, counts, gates, train_eps, eval_eps[:settings.eval_max_examples], base_dir)
+    plan = Plan(settings, source, counts, gates, train_eps, eval_eps[:settings.eval_max_examples], base_dir,
+                rates=rates)
     if not is_prepared(base_dir) and not (base_dir / "tokenizer_config.json").is_file():
         counts["tokens"] = f"not counted: {base_dir} is not prepared (fanroute models prepare)"
         return plan
@@ -290,10 +297,18 @@ class MetricsLog:
             fh.write(json.dumps(record, sort_keys=True, default=str) + "\n")
 
 
-def _save_adapter(model: Any, target: Path) -> Path:
-    """The final adapter, written next to ``target`` and renamed into place."""
+def inherited_rates(init_adapter: Path | None) -> dict[str, Any] | None:
+    """The top-tier table document of the adapter a run starts from (OPSD/RL keep their SFT start's table)."""
+    path = init_adapter / RATES_FILE if init_adapter is not None else None
+    return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+
+def _save_adapter(model: Any, target: Path, rates_doc: dict[str, Any] | None = None) -> Path:
+    """The adapter and (when given) its top-tier table document, written next to ``target`` and renamed into place."""
     with atomic_dir(target) as tmp:
         model.save_pretrained(tmp)
+        if rates_doc is not None:
+            (tmp / RATES_FILE).write_text(json.dumps(rates_doc, sort_keys=True) + "\n")
     return target
 
 
@@ -342,7 +357,7 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
     def run_eval(step: int) -> None:
         if eval_set:
             scores = evaluate(model, plan.tokenizer, eval_set, s.eval_max_new_tokens)
-            scores |= route_evaluate(model, route_set, pad_id)
+            scores |= route_evaluate(model, route_set, pad_id, plan.rates)
             metrics.write({"step": step, **scores})
             final.update(scores)
             routed = (f"; routed (score mode): grade {scores['test/route_grade']:.2f} best {scores['test/route_best']:.2f} "
@@ -373,7 +388,7 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
     if start < plan.steps:
         save(plan.steps)
     run_eval(plan.steps)
-    adapter_dir = _save_adapter(model, output_dir / "adapter")
+    adapter_dir = _save_adapter(model, output_dir / "adapter", rates_json(plan.rates, len(plan.train_episodes)))
     final |= {"steps": plan.steps, "episodes": len(plan.examples), "allow_uncalibrated": s.allow_uncalibrated,
               "uncalibrated_episodes": plan.uncalibrated_episodes, "one_pass_capped": plan.capped}
     metrics.write({"event": "end", "step": plan.steps, **final})

@@ -192,3 +192,23 @@ def test_the_label_ceiling_per_collection(inputs, router, capsys):
     assert sum(row["judge_first_counts"].values()) == 6
     assert row["judge_first_not_best"] == 6 - row["judge_first_counts"].get("good", 0)
     assert "the label ceiling per collection" in out and "adi" in out
+
+
+@pytest.mark.parametrize("decision", ["top-tier", "first-choice"])
+def test_the_decision_is_the_gateways_top_tier_or_first_choice(tmp_path, router, capsys, decision):
+    """Labels 'cheap' and 'flaky' each tie with 'good' in the judge's top tier: by the top-tier table every
+    query goes to 'good' (in the top tier whatever the label), by the first choice never."""
+    qids = sorted(adi()[1], key=int)
+    held, trained = qids[:6], qids[6:26]
+    queries = adi()[0]
+    traces = [adi_trace(q) for q in held] + [adi_trace(q) for q in trained]
+    eps = [episode(queries[q], "cheap = good > flaky" if i % 2 else "flaky = good > cheap", PROVIDERS,
+                   ep_id=f"e{q}") for i, q in enumerate(trained)]
+    write_jsonl(traces, tmp_path / "traces.jsonl")
+    write_jsonl(eps, tmp_path / "train.jsonl")
+    assert main(_eval_args(tmp_path, router, "--candidate", "router@2", "--deployed", "none",
+                           "--decision", decision)) == 0
+    report = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert report["inputs"]["decision"] == decision
+    firsts = {q["outcomes"]["linear"]["called"][0] for q in report["queries"]}
+    assert firsts == {"good"} if decision == "top-tier" else "good" not in firsts

@@ -315,3 +315,37 @@ def test_routing_settings_from_env(monkeypatch):
         True, "http://sampler:8001", 0.25, "web-lexical", 3, "gw-1")
     assert RoutingSettings().consumer_group.startswith("fanroute-gateway.")
     assert all(f.description for f in RoutingSettings.model_fields.values())
+
+
+class _Table:
+    """A PublishedRates stand-in holding one version's top-tier table (the publisher path:
+    tests/unit/test_router_rates.py)."""
+
+    def __init__(self, table: dict) -> None:
+        self.table, self.asked = table, []
+
+    async def get(self, model: str, *, wait_s: float | None = None) -> dict:
+        self.asked.append(model)
+        return self.table
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("decision", "chosen"), [("top-tier", "c"), ("first-choice", "a")])
+async def test_the_top_tier_decision_sends_an_unsure_query_to_the_generalist(make, router, decision, chosen):
+    import math
+
+    from tests.support.http_fake import scored_completion
+
+    table = {"a": {"a": 1.0, "c": 0.8}, "b": {"b": 1.0, "c": 0.8}}
+    client = RouterClient(router.url(), mode="score", timeout_s=2.0)
+    client.rates = _Table(table)
+    rt = await make(router_client=client, mode="score", decision=decision)
+    await rt.promote(3)
+    router.script("/v1/completions", scored_completion({"a": math.log(0.5), "b": math.log(0.45),
+                                                         "c": math.log(0.05)}, model="router@3"))
+    body = await rt.search("an unsure query")
+    assert body["route"]["called"] == [chosen] and body["route"]["fallback"] is None
+    [trace] = rt.traces
+    assert trace.route.decision == decision and trace.route.cost_weight == 0.0

@@ -391,6 +391,13 @@ def test_trainer_publishes_through_the_real_publisher_client(make_settings, tmp_
     assert result.published["model_id"] == "router-tiny" and result.published["version"] == 1
     manifest = h.client.manifest("router-tiny", 1)
     assert manifest["base_model"] == s.base_model and manifest["metrics"]["steps"] == 2.0
+    # the top-tier table the gateway decides with travels with the adapter, counted from the training split
+    from services.common.adapter_files import RATES_FILE
+    from services.router.rates import from_json
+
+    assert RATES_FILE in manifest["files_sha256"]
+    doc = json.loads(h.client.fetch_file(manifest, RATES_FILE))
+    assert doc["episodes"] == len(result.plan.train_episodes) and from_json(doc) == result.plan.rates != {}
 
 
 def test_default_reward_is_the_primary_one_not_the_first_by_name():
