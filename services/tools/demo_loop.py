@@ -107,7 +107,8 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
         step(first, steps, f"training the student: LoRA SFT of SmolLM2-135M-Instruct on {data.n_train} "
                            f"episodes (CPU, {passes}, target: the judge's cost-aware first choice), then "
                            f"publishing it to {publisher_url}")
-        result = await asyncio.to_thread(_train, kafka, redis, data.train_file, publisher_url, out_dir, opts)
+        costs = ",".join(f"{p.name}={p.cost_usd:g}" for p in gateway_settings.providers)
+        result = await asyncio.to_thread(_train, kafka, redis, data.train_file, publisher_url, out_dir, opts, costs)
         candidate = f"{MODEL_ID}@{result['published']['version']}"
         samp = SamplerSettings(kafka=kafka, redis=redis, port=sport, publisher_url=publisher_url,
                                adapter_cache_dir=out_dir / "sampler-cache", group_id=f"demo-sampler-{sport}")
@@ -132,7 +133,7 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
 
 
 def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publisher_url: str, out_dir: Path,
-           opts: LoopOptions):
+           opts: LoopOptions, costs: str = ""):
     """``opts.passes`` chained one-pass SFT runs (progress lines from the trainer), each starting from the
     previous run's adapter with a new data order, as the continual schedule chains them; only the last
     publishes; each is ``python -m services.trainer`` in its own process, so what it held is given back
@@ -153,7 +154,8 @@ def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publish
                                    output_dir=out_dir / "train" / ("run" if last else f"run-pass{k + 1}"),
                                    max_steps=opts.max_steps, batch_size=opts.batch_size, eval_fraction=0.1,
                                    eval_every=0, eval_max_examples=40, checkpoint_every=0,
-                                   publisher_url=publisher_url if last else None, model_id=MODEL_ID)
+                                   publisher_url=publisher_url if last else None, model_id=MODEL_ID,
+                                   route_cost_weight=opts.cost_weight, route_costs=costs)
         shutil.rmtree(settings.output_dir, ignore_errors=True)
         result = launch.train_in_process(settings)  # its own process: its memory is given back when it ends
         init = Path(result["adapter_dir"])

@@ -8,7 +8,8 @@ figures are the ones checkpoint choice and early stopping should read:
 - ``test/route_grade``: mean grade (the judge's, or the ordering's tier rank) of the provider chosen;
 - ``test/route_best``: share of queries where the chosen provider has the best grade;
 - ``test/route_agree``: share where it is the episode's cost-aware first choice (the label);
-- ``test/route_share/<name>``: how often each provider is chosen (a two-class student shows here).
+- ``test/route_share/<name>``: how often each provider is chosen (a two-class student shows here);
+- ``test/route_cost``: mean cost per call of the choices (when the run is given the providers' costs).
 """
 
 from __future__ import annotations
@@ -81,10 +82,11 @@ def name_scores(model: Any, item: RouteItem, pad_id: int) -> dict[str, float]:
     return out
 
 
-def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int,
-                   rates: Rates | None = None) -> dict[str, float]:
-    """The routing figures of the module docstring over ``items`` (empty when there are none); with
-    ``rates``, each pick is the gateway's top-tier decision (λ = 0), else the most likely first choice."""
+def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int, rates: Rates | None = None,
+                   cost_usd: Mapping[str, float] | None = None, cost_weight: float = 0.0) -> dict[str, float]:
+    """The routing figures of the module docstring over ``items`` (empty when there are none), each pick the
+    gateway's decision: expected quality − ``cost_weight`` · cost, by the top tier with ``rates``, else by the
+    first choice."""
     if not items:
         return {}
     was_training = model.training
@@ -92,7 +94,7 @@ def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int,
     try:
         picks = []
         for item in items:
-            picks.append(decide(name_scores(model, item, pad_id), {}, 0.0, rates)[0])
+            picks.append(decide(name_scores(model, item, pad_id), cost_usd or {}, cost_weight, rates)[0])
     finally:
         model.train(was_training)
     n = len(items)
@@ -102,4 +104,5 @@ def route_evaluate(model: Any, items: Sequence[RouteItem], pad_id: int,
     shares = Counter(picks)
     return {"test/route_grade": sum(grade) / n, "test/route_best": sum(best) / n,
             "test/route_agree": (sum(lab == p for lab, p in labelled) / len(labelled)) if labelled else float("nan"),
-            "test/route_n": n, **{f"test/route_share/{name}": c / n for name, c in sorted(shares.items())}}
+            "test/route_n": n, **({"test/route_cost": sum(cost_usd.get(p, 0.0) for p in picks) / n} if cost_usd else {}),
+            **{f"test/route_share/{name}": c / n for name, c in sorted(shares.items())}}

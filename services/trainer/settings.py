@@ -220,6 +220,13 @@ class TrainerSettings(ServiceSettings):
                             description="Evaluate every N steps (0 = only at the end)")
     eval_max_examples: int = Field(default=64, ge=1, le=100_000, description="Held-out episodes evaluated")
     eval_max_new_tokens: int = Field(default=48, ge=1, le=1024, description="Greedy tokens per answer")
+    route_cost_weight: float = Field(default=0.0, ge=0, le=1e6,
+                                     description="λ of the routing eval's decision (quality per USD), as the "
+                                                 "gateway's routing.cost_weight")
+    route_costs: str = Field(
+        default="", max_length=4096, pattern=r"^([A-Za-z0-9._-]+=[0-9.eE+-]+(,[A-Za-z0-9._-]+=[0-9.eE+-]+)*)?$",
+        description="Cost per call in USD the routing eval prices each provider at, 'name=usd,...' (the "
+                    "gateway's providers' cost_usd; empty: every provider free)")
     grades_source: Literal["auto", "verdicts", "ordering"] = Field(
         default="auto", description="Judge grades for eval: verdicts topic, or tier ranks of the episode's "
                                     "ordering (auto: verdicts when reading Kafka, ordering for a file)")
@@ -241,6 +248,12 @@ class TrainerSettings(ServiceSettings):
         """The model id the adapter is published under."""
         return self.model_id or self.output_dir.resolve().name
 
+    @property
+    def route_cost_table(self) -> dict[str, float]:
+        """``route_costs`` as provider → USD per call."""
+        pairs = (item.split("=", 1) for item in self.route_costs.split(",") if item)
+        return {name: float(usd) for name, usd in pairs}
+
     def fingerprint_fields(self) -> dict[str, Any]:
         """The settings a resumed run must share with the run it continues."""
         keep = self.model_dump(mode="json", exclude=RESUMABLE_CHANGES)
@@ -249,6 +262,7 @@ class TrainerSettings(ServiceSettings):
 
 #: Settings a resume may change: they steer how long and how visibly a run goes, not what it learns.
 RESUMABLE_CHANGES = {"max_steps", "micro_batch_tokens", "resume", "dry_run", "eval_every", "eval_max_examples", "eval_max_new_tokens",
+                     "route_cost_weight", "route_costs",
                      "checkpoint_every", "keep_checkpoints", "publisher_url", "model_id", "threads", "log_level",
                      "kafka", "redis", "output_dir", "grades_source", "as_of", "episodes_file"}
 

@@ -357,11 +357,13 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
     def run_eval(step: int) -> None:
         if eval_set:
             scores = evaluate(model, plan.tokenizer, eval_set, s.eval_max_new_tokens)
-            scores |= route_evaluate(model, route_set, pad_id, plan.rates)
+            scores |= route_evaluate(model, route_set, pad_id, plan.rates, s.route_cost_table, s.route_cost_weight)
             metrics.write({"step": step, **scores})
             final.update(scores)
             routed = (f"; routed (score mode): grade {scores['test/route_grade']:.2f} best {scores['test/route_best']:.2f} "
                       f"agree {scores['test/route_agree']:.2f}" if "test/route_grade" in scores else "")
+            if "test/route_cost" in scores:
+                routed += f" cost ${scores['test/route_cost'] * 1000:.2f}m at λ {s.route_cost_weight:g}"
             out(f"eval step {step}: ndcg {scores['test/ndcg']:.3f} top1 {scores['test/top1']:.3f} "
                 f"parsed {scores['test/parse_ok']:.2f} (n={scores['test/n']}){routed}")
 

@@ -55,3 +55,17 @@ def test_the_figures(tiny) -> None:
     assert out["test/route_agree"] == pytest.approx(picked_beta) and out["test/route_best"] == pytest.approx(picked_beta)
     assert out["test/route_grade"] == pytest.approx(3.0 * picked_beta + 1.0 * (1 - picked_beta))
     assert route_evaluate(model, [], tok.pad_token_id) == {}
+
+
+def test_the_decision_is_the_gateways_with_its_table_and_its_price(tiny) -> None:
+    """A table that puts the dearest provider in every label's top tier sends every pick there at λ = 0;
+    a λ that prices it out sends every pick back to a cheaper one; the mean cost is reported."""
+    model, tok = tiny
+    items = _items(tok)
+    dear = PROVIDERS[-1]
+    rates = {p: {p: 1.0, dear: 1.0} for p in PROVIDERS}
+    costs = {p: (1.0 if p == dear else 0.001) for p in PROVIDERS}
+    free = route_evaluate(model, items, tok.pad_token_id, rates, costs, 0.0)
+    assert free[f"test/route_share/{dear}"] == 1.0 and free["test/route_cost"] == pytest.approx(1.0)
+    priced = route_evaluate(model, items, tok.pad_token_id, rates, costs, 10.0)
+    assert f"test/route_share/{dear}" not in priced and priced["test/route_cost"] == pytest.approx(0.001)

@@ -35,7 +35,8 @@ def test_flags_rebuild_every_setting_but_the_connections(run, tmp_path: Path) ->
     kw = dict(output_dir=tmp_path / "run", episodes_file=tmp_path / "e.jsonl", init_adapter=tmp_path / "a",
               as_of=datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC), allow_uncalibrated=True, max_steps=7, lr=3e-4,
               lr_schedule="cosine", seed=11, publisher_url="http://127.0.0.1:9", model_id="router",
-              lora=LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj")), eval_every=0, log_level="DEBUG")
+              lora=LoraSettings(r=4, alpha=8, target_modules=("q_proj", "v_proj")), eval_every=0, log_level="DEBUG",
+              route_cost_weight=150.0, route_costs="aero=0.001,web-lexical=0.003")
     settings = TrainerSettings(**kw, **({"run": run} if run else {}))
     assert reparsed(settings).model_dump(exclude={"kafka", "redis"}) == settings.model_dump(exclude={"kafka", "redis"})
     assert reparsed(TrainerSettings()) == TrainerSettings()  # defaults give no flags at all
@@ -70,3 +71,13 @@ def test_a_failing_child_is_one_error_naming_its_exit_code_and_log(tmp_path: Pat
                                episodes_file=tmp_path / "missing.jsonl", output_dir=tmp_path / "run")
     with pytest.raises(launch.TrainerProcessError, match=r"exited 2: .*log: .*trainer\.log"):
         launch.train_in_process(settings)
+
+
+def test_route_costs_are_read_as_a_table_and_a_malformed_one_names_the_field() -> None:
+    from pydantic import ValidationError
+
+    assert TrainerSettings(route_costs="aero=0.001,web-lexical=3e-3").route_cost_table == {
+        "aero": 0.001, "web-lexical": 0.003}
+    assert TrainerSettings().route_cost_table == {}
+    with pytest.raises(ValidationError, match="route_costs"):
+        TrainerSettings(route_costs="aero:0.001")
