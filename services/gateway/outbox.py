@@ -213,8 +213,9 @@ class TraceOutbox:
         landed = [r.seq for r, res in zip(batch, results, strict=True) if res is None]
         failed = [res for res in results if res is not None]
         if landed:
-            await asyncio.to_thread(self.spool.ack, landed)
+            # counted before the ack lowers the spool's depth, so a reader that sees the depth fall sees the count
             self.metrics.spool_republished.inc(len(landed))
+            await asyncio.to_thread(self.spool.ack, landed)
             log.info("re-published %d spooled traces in %.2f s; %d left", len(landed), time.monotonic() - t0,
                      self.spool.depth)
         if failed:
