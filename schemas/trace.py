@@ -58,6 +58,8 @@ class Signals(Message):
 
 
 RouteFallback = Literal["no_adapter", "router_timeout", "router_error", "unparseable"]
+#: What a scored router's expected quality was (services/router/modes.py, services/router/rates.py).
+RouteDecision = Literal["top-tier", "first-choice"]
 
 
 class Route(Message):
@@ -81,7 +83,7 @@ class Route(Message):
                                           "continuation of the router prompt (empty when generating or on fallback)")
     cost_weight: float | None = Field(default=None, ge=0,
                                       description="λ of the decision: expected quality minus λ · cost (USD)")
-    decision: Literal["top-tier", "first-choice"] | None = Field(
+    decision: RouteDecision | None = Field(
         default=None, description="What the expected quality was: P(in the judge's top tier), through the router's "
                                   "top-tier table, or P(the judge's cost-aware first choice); None without scores")
 

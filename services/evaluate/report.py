@@ -19,6 +19,7 @@ from services.evaluate.frontier import plot as plot_frontier
 from services.evaluate.frontier import render as render_frontier
 from services.evaluate.metrics import MEASURES, Paired, PolicyMetrics
 from services.evaluate.policies import POLICIES, Outcome
+from services.router.modes import Decision
 
 NOTES = {
     "held_out": "fan-out traces whose normalised query text is not the user turn of any training episode",
@@ -81,7 +82,7 @@ class EvalInputs(BaseModel):
     linear: dict[str, Any] | None = Field(default=None, description="The linear router: kind, C, cv accuracy, "
                                                                       "training label counts")
     cost_weight: float = Field(default=0.0, description="λ the router rows decide with")
-    decision: Literal["top-tier", "first-choice"] = Field(
+    decision: Decision = Field(
         default="first-choice", description="What the router rows' expected quality was (routing.decision)")
     seed: int
     notes: dict[str, str] = Field(default_factory=lambda: dict(NOTES))

@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from schemas.episode import Episode
-from services.common.ndcg import parse_ordering
 from services.common.prompt import providers_of, query_of
-from services.router.rates import RatesError, from_json, to_json, top_tier_rates
+from services.router.rates import RatesError, judge_tiers, table_from, top_tier_rates
 
 #: Regularisation grid the cross-validation chooses from (inverse strength, scikit-learn's C).
 C_GRID = (0.25, 1.0, 4.0, 16.0, 64.0, 256.0, 1024.0)
@@ -40,12 +39,8 @@ class LinearRouterError(ValueError):
 
 def first_choice(ep: Episode) -> str | None:
     """The episode's label: the first name of its (cost-aware) ordering; None when it does not parse."""
-    answer = next((m.content for m in reversed(ep.messages) if m.role == "assistant"), "")
-    try:
-        tiers = parse_ordering(answer)
-    except ValueError:
-        return None
-    return tiers[0][0] if tiers and tiers[0] else None
+    tiers = judge_tiers(ep)
+    return tiers[0][0] if tiers else None
 
 
 @dataclass
@@ -134,7 +129,7 @@ def from_artifact(data: dict[str, Any]) -> LinearRouter:
             raise LinearRouterError("coef does not match the classes and the vocabularies")
         pipeline = make_pipeline(FeatureUnion(vecs), clf)
         cv = data.get("cv_accuracy")
-        rates = from_json(to_json(data["top_tier_rates"], 0)) if "top_tier_rates" in data else None
+        rates = table_from(data["top_tier_rates"]) if "top_tier_rates" in data else None
         return LinearRouter(providers=tuple(data["providers"]), classes=tuple(data["classes"]), pipeline=pipeline,
                             c=float(data["C"]), cv_accuracy=float("nan") if cv is None else float(cv),
                             train_episodes=int(data["train_episodes"]), labels=dict(data.get("labels", {})),

@@ -39,7 +39,8 @@ class RatesError(FanrouteError, ValueError):
     """A top-tier table that cannot be used (malformed file, a rate outside [0, 1])."""
 
 
-def _tiers(ep: Episode) -> list[list[str]] | None:
+def judge_tiers(ep: Episode) -> list[list[str]] | None:
+    """The judge's ordering in the episode's assistant turn, as tiers; None when it does not parse or is empty."""
     answer = next((m.content for m in reversed(ep.messages) if m.role == "assistant"), "")
     try:
         tiers = parse_ordering(answer)
@@ -54,7 +55,7 @@ def top_tier_rates(episodes: Sequence[Episode]) -> dict[str, dict[str, float]]:
     counts: dict[str, dict[str, int]] = {}
     totals: dict[str, int] = {}
     for ep in episodes:
-        tiers = _tiers(ep)
+        tiers = judge_tiers(ep)
         if tiers is None:
             continue
         label = tiers[0][0]
@@ -85,7 +86,12 @@ def from_json(data: Any) -> dict[str, dict[str, float]]:
     """The table in :func:`to_json`'s data; :class:`RatesError` naming what is wrong."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
         raise RatesError(f"not a version-{VERSION} {FORMAT} document")
-    table = data.get("rates")
+    return table_from(data.get("rates"))
+
+
+def table_from(table: Any) -> dict[str, dict[str, float]]:
+    """A label → provider → rate table checked (as a document's ``rates`` or a linear artifact's
+    ``top_tier_rates``); :class:`RatesError` naming what is wrong."""
     if not isinstance(table, dict):
         raise RatesError("rates: not an object of label → provider → rate")
     out: dict[str, dict[str, float]] = {}
@@ -161,4 +167,5 @@ class PublishedRates:
             return from_json(json.loads(client.fetch_file(manifest, RATES_FILE)))
 
 
-__all__ = ["PublishedRates", "Rates", "RatesError", "expected_top_tier", "from_json", "to_json", "top_tier_rates"]
+__all__ = ["PublishedRates", "Rates", "RatesError", "expected_top_tier", "from_json", "judge_tiers", "table_from",
+           "to_json", "top_tier_rates"]

@@ -44,8 +44,9 @@ class LoopOptions:
     # the evaluation and the routed gateway ask the same way
     router_mode: RouterMode = "first-token"
     # λ (quality per USD) and the decision of the evaluation's router rows and of the routed gateway: the top-tier
-    # decision at λ = 150 was chosen by 5-fold cross-validation on the training split only (bench/decision_rules.py:
-    # the judge's grade above web-lexical's at 55 % of its cost); the held-out queries never chose it
+    # decision at λ = 150 was chosen by 5-fold cross-validation on a demo's training split only (judge 2.196 vs
+    # web-lexical's 2.173 at 55 % of its cost there; on a second demo's split 2.154 vs 2.179 at 53 %:
+    # bench/decision_rules.py, docs/benchmarks.md#decision-rules); the held-out queries never chose it
     cost_weight: float = 150.0
     decision: Decision = "top-tier"
     max_router_p99_ms: float = 2000.0  # the promotion's latency rule: the router's own p99 on the held-out queries

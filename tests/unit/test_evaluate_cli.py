@@ -152,22 +152,29 @@ def test_other_bad_input(inputs, router, capsys):
                               "--since", "2026-01-01T00:00:00Z"), "--since/--until")
     _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none",
                               "--max-attempts", "0"), "max_attempts")
+    with pytest.raises(SystemExit) as exit_:  # argparse's choices: exit 2 naming the flag and the choices
+        main(_eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none", "--decision", "best-guess"))
+    assert exit_.value.code == 2 and "--decision" in capsys.readouterr().err
     write_jsonl([trace("r", [candidate("good")], mode="routed")], inputs / "traces.jsonl")
     _fails(capsys, _eval_args(inputs, router, "--candidate", "router@2", "--deployed", "none"),
            "no held-out fan-out trace", "not_fanout")
 
 
-def test_the_linear_router_of_the_same_episodes_is_a_row_and_a_comparison(tmp_path, router, capsys):
-    """With enough training episodes, eval fits the TF-IDF + logistic-regression router on them and
-    replays it like any router: a row with its decision time, compared with the candidate."""
+def _linear_inputs(tmp_path, odd: str, even: str) -> None:
+    """Six held-out ADI traces and twenty trained ones whose episodes alternate the orderings ``odd``/``even``:
+    enough for eval to fit its linear router."""
     qids = sorted(adi()[1], key=int)
     held, trained = qids[:6], qids[6:26]
     queries = adi()[0]
-    traces = [adi_trace(q) for q in held] + [adi_trace(q) for q in trained]
-    eps = [episode(queries[q], "good > cheap > flaky" if i % 2 else "cheap > good > flaky", PROVIDERS,
-                   ep_id=f"e{q}") for i, q in enumerate(trained)]
-    write_jsonl(traces, tmp_path / "traces.jsonl")
-    write_jsonl(eps, tmp_path / "train.jsonl")
+    write_jsonl([adi_trace(q) for q in held] + [adi_trace(q) for q in trained], tmp_path / "traces.jsonl")
+    write_jsonl([episode(queries[q], odd if i % 2 else even, PROVIDERS, ep_id=f"e{q}") for i, q in enumerate(trained)],
+                tmp_path / "train.jsonl")
+
+
+def test_the_linear_router_of_the_same_episodes_is_a_row_and_a_comparison(tmp_path, router, capsys):
+    """With enough training episodes, eval fits the TF-IDF + logistic-regression router on them and
+    replays it like any router: a row with its decision time, compared with the candidate."""
+    _linear_inputs(tmp_path, "good > cheap > flaky", "cheap > good > flaky")
     assert main(_eval_args(tmp_path, router, "--candidate", "router@2", "--deployed", "none")) == 0
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "out" / "eval.json").read_text())
@@ -198,14 +205,7 @@ def test_the_label_ceiling_per_collection(inputs, router, capsys):
 def test_the_decision_is_the_gateways_top_tier_or_first_choice(tmp_path, router, capsys, decision):
     """Labels 'cheap' and 'flaky' each tie with 'good' in the judge's top tier: by the top-tier table every
     query goes to 'good' (in the top tier whatever the label), by the first choice never."""
-    qids = sorted(adi()[1], key=int)
-    held, trained = qids[:6], qids[6:26]
-    queries = adi()[0]
-    traces = [adi_trace(q) for q in held] + [adi_trace(q) for q in trained]
-    eps = [episode(queries[q], "cheap = good > flaky" if i % 2 else "flaky = good > cheap", PROVIDERS,
-                   ep_id=f"e{q}") for i, q in enumerate(trained)]
-    write_jsonl(traces, tmp_path / "traces.jsonl")
-    write_jsonl(eps, tmp_path / "train.jsonl")
+    _linear_inputs(tmp_path, "cheap = good > flaky", "flaky = good > cheap")
     assert main(_eval_args(tmp_path, router, "--candidate", "router@2", "--deployed", "none",
                            "--decision", decision)) == 0
     report = json.loads((tmp_path / "out" / "eval.json").read_text())

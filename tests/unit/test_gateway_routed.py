@@ -299,6 +299,7 @@ async def test_routing_off_is_todays_fan_out(router):
     ({"model_id": "router/../x"}, 10.0, "model_id"),
     ({"colour": "blue"}, 10.0, "Extra inputs are not permitted"),
     ({"mode": "score", "prompt_logprobs": False}, 10.0, "mode score needs routing.prompt_logprobs"),
+    ({"decision": "best-guess"}, 10.0, "decision"),
 ])
 def test_bad_routing_settings_are_clear_errors(routing, deadline_s, match):
     with pytest.raises(ValidationError, match=match):

@@ -20,7 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = {
     "common": "the runtime library: bus, settings, errors, the router prompt, adapter files and stamps, gates",
     "providers": "search providers, collections, markets, fan-out, fusion and trace signals",
-    "router": "the student as a router: the client of the sampler, the tolerant ordering parser, call order",
+    "router": "the student as a router: the client of the sampler, the tolerant ordering parser, call order, "
+              "the decision (scores, top-tier tables)",
     "models": "the base model: prepare it from the GGUF, load it",
 }
 #: Packages that compose services (and the top-level ``services/cli.py``).
