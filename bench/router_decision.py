@@ -122,7 +122,7 @@ async def decide(http: aiohttp.ClientSession, base: str, path: str, case: Case,
 
 
 async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: list[Case], names: list[str],
-                      concurrency: int, progress_every: int) -> dict[str, Any]:
+                      concurrency: int, progress_every: int, prompt_logprobs: bool = False) -> dict[str, Any]:
     """``len(cases)`` decisions by ``concurrency`` workers, each sending its next one as soon as it has an answer."""
     from services.router.client import RouterClient
 
@@ -131,7 +131,8 @@ async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: 
     chosen: list[str | None] = [None] * len(cases)
     tokens: list[int] = []
     t0 = time.perf_counter()
-    client = RouterClient(base, mode="first-token", timeout_s=60.0) if path == "first-token" else None
+    client = (RouterClient(base, mode="first-token", timeout_s=60.0, prompt_logprobs=prompt_logprobs)
+              if path == "first-token" else None)
     if client is not None:  # learn the names' first tokens before the clock matters (once per adapter)
         await client.route(cases[0].model, names, cases[0].query)
         t0 = time.perf_counter()
@@ -189,7 +190,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     levels = [int(c) for c in args.concurrency.split(",")]
     out: dict[str, Any] = {"model": args.base, "dtype": args.dtype, "market": args.market, "providers": names,
                            "adapter": None if args.no_adapter else {"kind": "fresh LoRA (B=0)", **LORA},
-                           "gen_tokens": args.gen_tokens, "paths": args.paths, "decisions": args.decisions,
+                           "gen_tokens": args.gen_tokens, "paths": args.paths,
+                           "first_token_prompt_logprobs": args.first_token_prompt_logprobs, "decisions": args.decisions,
                            "warmup": args.warmup,
                            "concurrency": levels, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
                            "settings": {k: getattr(settings, k) for k in (
@@ -218,9 +220,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for path in args.paths:
                     print(f"{path} at concurrency {level}: {args.warmup} warm-up + {args.decisions} decisions",
                           file=sys.stderr, flush=True)
-                    await closed_loop(http, base, path, cases[:args.warmup], names, min(level, args.warmup or 1), 0)
+                    await closed_loop(http, base, path, cases[:args.warmup], names, min(level, args.warmup or 1), 0,
+                                      args.first_token_prompt_logprobs)
                     results[f"{path}@{level}"] = await closed_loop(http, base, path, cases[args.warmup:], names,
-                                                                   level, args.progress)
+                                                                   level, args.progress, args.first_token_prompt_logprobs)
             chosen = {k: r.pop("chosen") for k, r in results.items()}
             out["results"] = results
             out["ratio_generate_over_score"] = {
@@ -299,6 +302,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--concurrency", default="1,20", help="comma-separated closed-loop concurrencies")
     p.add_argument("--gen-tokens", type=int, default=8, help="greedy tokens of the generate path")
     p.add_argument("--market", default="federated")
+    p.add_argument("--first-token-prompt-logprobs", action="store_true",
+                   help="first-token path: resolve a shared first token by a K-prompt call with prompt_logprobs "
+                        "(default: the lean path, one call with the names' common prefix as a second prompt)")
     p.add_argument("--paths", default="generate,score,first-token",
                    type=lambda v: [x for x in PATHS if x in v.split(",")],
                    help="which paths to run (two of them, for their ratio)")

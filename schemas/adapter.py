@@ -15,6 +15,8 @@ from schemas.base import Message
 
 #: A model id: safe as a directory name, a URL path segment and a Redis key part.
 MODEL_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+#: The model id routers are published under, unless a deployment names another.
+ROUTER_MODEL_ID = "router"
 #: The served name of one published version, ``<model_id>@<version>``.
 VERSIONED = re.compile(r"^(?P<model_id>.+)@(?P<version>[1-9][0-9]{0,8})$")
 

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.adapter import MODEL_ID_PATTERN
+from schemas.adapter import MODEL_ID_PATTERN, ROUTER_MODEL_ID
 from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.common.settings import ServiceSettings
 from services.providers.config import ProviderConfig
@@ -39,7 +39,7 @@ class RoutingSettings(BaseModel):
         default=DEFAULT_DECISION, description="top-tier: route by P(in the judge's top tier), through the router's "
                                               "top-tier table (kind lm: pulled from publisher_url); first-choice: "
                                               "by P(the judge's cost-aware first choice). Scoring modes only")
-    model_id: str = Field(default="router", pattern=MODEL_ID_PATTERN,
+    model_id: str = Field(default=ROUTER_MODEL_ID, pattern=MODEL_ID_PATTERN,
                           description="Publisher model id whose promoted version routes")
     router_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=r"^https?://\S+$",
                                    description="OpenAI-compatible server of the adapters (the CPU sampler or "

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from schemas.adapter import ROUTER_MODEL_ID
 from services.common.settings import ServiceSettings
 from services.router.modes import DEFAULT_MODE, RouterMode
 
@@ -24,7 +25,7 @@ class LoopSettings(ServiceSettings):
                             description="Where LM candidates are asked during the evaluation (sampler or vLLM)")
     kind: Literal["lm", "linear"] = Field(default="lm", description="The router a cycle trains: the LM student "
                                           "(LoRA SFT from the deployed adapter) or the linear router (TF-IDF + LR)")
-    model_id: str = Field(default="router", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
+    model_id: str = Field(default=ROUTER_MODEL_ID, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$",
                           description="The model id the cycle publishes and promotes under")
     once: bool = Field(default=False, description="Run one cycle (or finish the one left unfinished) and exit")
     every_s: float = Field(default=86_400.0, ge=1.0, le=30 * 86_400.0,

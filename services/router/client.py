@@ -18,6 +18,7 @@ import contextvars
 import dataclasses
 import json
 import math
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,6 +35,7 @@ from services.router.parse import ParsedOrdering, UnparseableOrdering, parse_ord
 from services.router.rates import PublishedRates, Rates
 from services.router.scoring import (
     FIRST_TOKEN_TOP,
+    choice_top,
     ScoresUnreadable,
     decide,
     common_tokens,
@@ -263,16 +265,25 @@ class RouterClient:
 
     async def _first_token_ids(self, model: str, providers: Sequence[str], query: str, t0: float) -> RouterAnswer:
         """The first-token decision without ``prompt_logprobs``: the names' tokens come from a tokenizing
-        K-prompt call (once per adapter and provider set), a contested shared first token is split by one
-        more one-token completion after the names' common prefix (token-id prompt)."""
+        K-prompt call (once per adapter and provider set); a shared first token is split by the token after
+        the names' common prefix, asked in the same call (a second prompt: the router prompt + that prefix,
+        one forward for both) and, where its tokens do not come out as the prompt's plus the prefix's, by
+        one more one-token completion of the token ids."""
+        key = (model, tuple(providers))
+        known = self._tokens.get(key)
         request = {**first_token_request(model, providers, query, prompt_format=self.prompt_format,
                                          top=self.first_token_top), "return_token_ids": True}
+        shared = [g for g in groups_of(known).values() if len(g) > 1] if known else []
+        if shared:  # the text every member starts with; its token ids are checked on the answer
+            request["prompt"] = [request["prompt"], *(request["prompt"] + os.path.commonprefix(g) for g in shared)]
         data = await self._completion(model, request)
         try:
-            top, prompt_tokens = top_logprobs(data)
-            prompt_ids = [int(t) for t in data["choices"][0]["prompt_token_ids"]]
-            key = (model, tuple(providers))
-            tokens = self._tokens.get(key) or await self._learn_tokens(key, query, prompt_tokens)
+            choices = sorted(data["choices"], key=lambda c: c.get("index", 0))
+            top = choice_top(choices[0])
+            prompt_ids = [int(t) for t in choices[0]["prompt_token_ids"]]
+            tokens = known or await self._learn_tokens(key, query, len(prompt_ids))
+            branches = {g: c for g, c in zip(shared, choices[1:])
+                        if [int(t) for t in c["prompt_token_ids"]] == prompt_ids + common_tokens(g, tokens)}
             groups = groups_of(tokens)
             found = first_token_scores(top, groups, self.first_token_slack)
             if found is None:  # no name's first token is listed: all are bounded by the least listed one
@@ -280,11 +291,14 @@ class RouterClient:
                 found = ({n: floor - math.log(len(g)) for g in groups.values() for n in g}, [])
             scores, unresolved = found
             for group in unresolved:
-                after = await self._completion(model, {
-                    "model": model, "prompt": prompt_ids + common_tokens(group, tokens), "max_tokens": 1,
-                    "temperature": 0.0, "logprobs": self.first_token_top, "return_tokens_as_token_ids": True})
-                scores.update(split_group(top[tokens[group[0]][0]], group, tokens, top_logprobs(after)[0]))
-        except (ValueError, KeyError, IndexError, TypeError) as exc:
+                if group in branches:
+                    after = choice_top(branches[group])
+                else:
+                    after = top_logprobs(await self._completion(model, {
+                        "model": model, "prompt": prompt_ids + common_tokens(group, tokens), "max_tokens": 1,
+                        "temperature": 0.0, "logprobs": self.first_token_top, "return_tokens_as_token_ids": True}))[0]
+                scores.update(split_group(top[tokens[group[0]][0]], group, tokens, after))
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             raise RouterUnparseable(f"router {model}: {exc}") from exc
         parsed = ParsedOrdering(tiers=tuple((n,) for n in decide(scores, {}, 0.0)), unknown=(), missing=())
         return RouterAnswer(parsed, "", round((time.perf_counter() - t0) * 1000.0, 3),

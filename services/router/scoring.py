@@ -193,18 +193,27 @@ def common_tokens(members: Sequence[str], tokens: Mapping[str, Sequence[int]]) -
     return first[:common_prefix([list(tokens[n]) for n in members])]
 
 
-def top_logprobs(body: Mapping[str, Any]) -> tuple[dict[int, float], int]:
-    """(token id → logprob of the first generated token's alternatives, the prompt's token count)."""
+def choice_top(choice: Mapping[str, Any]) -> dict[int, float]:
+    """Token id → logprob of one choice's first generated token's alternatives."""
     try:
-        choice = body["choices"][0]
         entries = choice["logprobs"]["top_logprobs"][0]
         out = {int(str(k).removeprefix("token_id:")): float(v) for k, v in entries.items()}
-        prompt_tokens = int(body["usage"]["prompt_tokens"])
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
         raise ScoresUnreadable(f"no first-token logprobs keyed by token id ({type(exc).__name__}: {exc})") from exc
     if not out:
         raise ScoresUnreadable("the first token came with no alternatives")
-    return out, prompt_tokens
+    return out
+
+
+def top_logprobs(body: Mapping[str, Any]) -> tuple[dict[int, float], int]:
+    """(token id → logprob of the first generated token's alternatives, the prompt's token count) of a
+    one-prompt completion."""
+    try:
+        choice = body["choices"][0]
+        prompt_tokens = int(body["usage"]["prompt_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise ScoresUnreadable(f"no first-token logprobs keyed by token id ({type(exc).__name__}: {exc})") from exc
+    return choice_top(choice), prompt_tokens
 
 
 def first_token_scores(top: Mapping[int, float], groups: Mapping[int, Sequence[str]],

@@ -84,6 +84,7 @@ class Engine:
         self.lock = threading.RLock()
         self.prefix_cache: Any = None  # a scoring.PrefixCache, when the sampler scores prompts
         self._active: tuple[str | None] | None = None  # (slot,) the forward passes go through; None: unknown
+        self._merged: OrderedDict[str | None, Any] = OrderedDict()  # slot → merged copy for scoring (merged.py)
         self._token_texts: dict[int, str] = {}
         self._prefills: OrderedDict[tuple[str | None, tuple[int, ...]], list[list[Any]]] = OrderedDict()
         self.prefill_tokens_reused = 0
@@ -166,13 +167,54 @@ class Engine:
                 self._peft.delete_adapter(slot)
 
     def _forget(self, slot: str) -> None:
-        """Drop what the prefix cache holds for ``slot`` (its weights are about to change) and forget
-        which slot is active (peft switches on loads and deletes)."""
+        """Drop what the prefix cache holds for ``slot`` and its merged copy (its weights are about to
+        change) and forget which slot is active (peft switches on loads and deletes)."""
         self._active = None
         for key in [k for k in self._prefills if k[0] == slot]:
             del self._prefills[key]
+        self.unmerge(slot)
         if self.prefix_cache is not None:
             self.prefix_cache.drop(slot)
+
+    # ------------------------------------------------------------------ merged copies
+    @property
+    def merged(self) -> list[str | None]:
+        """The slots scored through a merged copy, oldest first."""
+        return list(self._merged)
+
+    def merge(self, slot: str | None, *, keep: int = 1) -> None:
+        """Score ``slot`` (None: the base) through a copy with its LoRA folded in and its linear weights
+        packed (:mod:`services.sampler.merged`); the oldest copies beyond ``keep`` are dropped."""
+        from services.sampler.merged import merged_copy
+
+        if slot is not None and slot not in self.slots:
+            raise AdapterError(f"adapter slot {slot!r} is not loaded")
+        t0 = time.perf_counter()
+        with self.lock, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.unmerge(slot)
+            self._merged[slot] = merged_copy(self.model, slot)
+            while len(self._merged) > max(keep, 1):
+                self.unmerge(next(iter(self._merged)))
+        log.info("slot %s merged for scoring in %.2fs", slot, time.perf_counter() - t0)
+
+    def unmerge(self, slot: str | None) -> None:
+        """Drop ``slot``'s merged copy and what the prefix cache holds from it (no-op without one)."""
+        from services.sampler.merged import cache_key
+
+        with self.lock:
+            if self._merged.pop(slot, None) is not None and self.prefix_cache is not None:
+                self.prefix_cache.drop(cache_key(slot))
+
+    def scoring_model(self, slot: str | None) -> tuple[Any, str | None]:
+        """(the model scoring runs ``slot`` through, the prefix-cache key of what it computes): the merged
+        copy where there is one, else the engine's model with ``slot`` active (hold the lock)."""
+        if slot in self._merged:
+            from services.sampler.merged import cache_key
+
+            return self._merged[slot], cache_key(slot)
+        self._activate(slot)
+        return self.model, slot
 
     def _activate(self, slot: str | None) -> None:
         """Route the next forward passes through ``slot``'s LoRA weights, or through the base alone

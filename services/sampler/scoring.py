@@ -214,14 +214,6 @@ class Scorer:
         params = inspect.signature(engine.model.get_decoder().forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
-    @property
-    def decoder(self) -> Any:  # looked up per use: peft swaps wrapped modules in when an adapter loads
-        return self.engine.model.get_decoder()
-
-    @property
-    def head(self) -> Any:
-        return self.engine.model.get_output_embeddings()
-
     def score(self, prompts: list[list[int]], ks: list[int | None],
               slot: str | None) -> tuple[list[Scored], ScoreInfo]:
         """Score ``prompts`` (``ks[i]`` alternatives per position for prompt i; None: lean, only the row
@@ -233,21 +225,22 @@ class Scorer:
         info = ScoreInfo(prompt_tokens=sum(len(p) for p in prompts))
         out: list[Scored] = []
         with torch.inference_mode():
-            self.engine._activate(slot)
+            model, key = self.engine.scoring_model(slot)  # the slot's merged copy, or peft with the slot active
             for lo, hi in _groups(prompts, self.max_forward_tokens):
-                out += self._score_group(prompts[lo:hi], ks[lo:hi], slot, info)
+                out += self._score_group(prompts[lo:hi], ks[lo:hi], model, key, info)
         info.seconds = time.perf_counter() - t0
         return out, info
 
     # ------------------------------------------------------------------ one forward
-    def _score_group(self, prompts: list[list[int]], ks: list[int | None], slot: str | None,
+    def _score_group(self, prompts: list[list[int]], ks: list[int | None], model: Any, key: str | None,
                      info: ScoreInfo) -> list[Scored]:
+        """One forward for ``prompts`` through ``model``; ``key`` names its prefix-cache entries."""
         common = prompts[0]
         c = n_min = min(len(p) for p in prompts)
         for p in prompts[1:]:
             c = shared_length(common[:c], p)
         need_stats = any(k is not None for k in ks)  # else every prompt is lean: only the last rows
-        prefix, shared = self.cache.lookup(slot, common[:c], stats=need_stats) if c else (None, 0)
+        prefix, shared = self.cache.lookup(key, common[:c], stats=need_stats) if c else (None, 0)
         m = 0
         if prefix is not None:
             m = shared if shared == len(prefix.tokens) else shared - 1  # its last row, or recompute one
@@ -267,7 +260,7 @@ class Scorer:
         snapshots = sorted({ln for ln in (c, shared) if m < ln <= c and ln >= self.cache.min_tokens}) \
             if self.cache.capacity > 0 else []
 
-        hidden, kv = self._forward(rows, prefix, m)
+        hidden, kv = self._forward(model.get_decoder(), rows, prefix, m)
         info.forwards += 1
         info.forwarded_tokens += n
 
@@ -288,11 +281,11 @@ class Scorer:
                 k_need[node] = max(k_need[node], self.top_k_cached)
         for ln in snapshots:
             keep_row[ln - 1 - m] = True
-        node_stats, last_rows = self._head(hidden, wanted, k_need, keep_row)
+        node_stats, last_rows = self._head(model.get_output_embeddings(), hidden, wanted, k_need, keep_row)
 
         cached = head_stats + ([after_prefix[common[m]]] if after_prefix else [])  # positions 0..m-1
         for ln in snapshots:
-            self.cache.put(slot, Prefix(
+            self.cache.put(key, Prefix(
                 tokens=tuple(common[:ln]), keys=[k[:1, :, :ln].clone() for k in kv[0]],
                 values=[v[:1, :, :ln].clone() for v in kv[1]],
                 stats=cached + [node_stats[(i, common[m + i + 1])] for i in range(ln - 1 - m)] if need_stats else None,
@@ -315,13 +308,14 @@ class Scorer:
             results.append(Scored(entries, last_rows[path[-1]]))
         return results
 
-    def _forward(self, rows: list[_Tree], prefix: Prefix | None, m: int) -> tuple[Any, tuple[list[Any], list[Any]]]:
+    def _forward(self, decoder: Any, rows: list[_Tree], prefix: Prefix | None,
+                 m: int) -> tuple[Any, tuple[list[Any], list[Any]]]:
         """The decoder over the packed rows after ``m`` cached tokens: the last hidden state of every
         node ``[n, d]`` (flat, row after row) and the per-layer keys/values ``[rows, kv_heads, m + L, d]``."""
         import torch
 
         width = max(len(r.tokens) for r in rows)
-        dtype = self.engine.model.dtype
+        dtype = decoder.dtype
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         seen = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself only
@@ -338,12 +332,12 @@ class Scorer:
             for layer, (k, v) in enumerate(zip(prefix.keys, prefix.values)):  # copied by the update
                 cache.update(k[..., :m, :].expand(len(rows), -1, -1, -1),
                              v[..., :m, :].expand(len(rows), -1, -1, -1), layer)
-        out = self.decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+        out = decoder(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                            **{self._cache_kwarg: cache})
         hidden = torch.cat([out.last_hidden_state[r, :len(row.tokens)] for r, row in enumerate(rows)])
         return hidden, _cache_tensors(cache)
 
-    def _head(self, hidden: Any, wanted: list[list[int]], k_need: list[int],
+    def _head(self, head: Any, hidden: Any, wanted: list[list[int]], k_need: list[int],
               keep_row: list[bool]) -> tuple[dict[tuple[int, int], PositionStats], dict[int, Any]]:
         """Output layer + log-softmax over the nodes in chunks; keeps only the statistics asked for:
         per (node, following token) its logprob, rank and the node's top-k, and the rows asked for."""
@@ -351,11 +345,10 @@ class Scorer:
 
         stats: dict[tuple[int, int], PositionStats] = {}
         rows: dict[int, Any] = {}
-        head = self.head
         needed = [i for i in range(hidden.shape[0]) if wanted[i] or k_need[i] or keep_row[i]]
         if len(needed) < hidden.shape[0]:  # lean prompts' inner nodes: no output layer at all
             pick = torch.tensor(needed, dtype=torch.long)
-            sub_stats, sub_rows = self._head(hidden.index_select(0, pick), [wanted[i] for i in needed],
+            sub_stats, sub_rows = self._head(head, hidden.index_select(0, pick), [wanted[i] for i in needed],
                                              [k_need[i] for i in needed], [keep_row[i] for i in needed])
             stats = {(needed[i], t): st for (i, t), st in sub_stats.items()}
             return stats, {needed[i]: row for i, row in sub_rows.items()}

@@ -150,6 +150,8 @@ class Sampler:
             slot = f"lora{self._slots}"
             self.eng.load_adapter(slot, entry.path)
             entry.slot = slot
+            if self.settings.merged_copies and entry.model_id in self.settings.merged_models:
+                self.eng.merge(slot, keep=self.settings.merged_copies)
             self.metrics.adapter_events.labels("loaded").inc()
         self.registry.mark_resident(entry.name)
         self.metrics.resident.set(len(self.registry.resident()))

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pydantic import Field
 
+from schemas.adapter import ROUTER_MODEL_ID
 from services.common import paths
 from services.common.settings import ServiceSettings
 
@@ -52,6 +53,14 @@ class SamplerSettings(ServiceSettings):
                                       description="Token prefixes whose keys/values scoring keeps (0 = off)")
     prefix_cache_min_tokens: int = Field(default=16, ge=1, le=1_048_576,
                                          description="Shortest prefix worth keeping in the prefix cache")
+    merged_models: tuple[str, ...] = Field(
+        default=(ROUTER_MODEL_ID,), max_length=64,
+        description="Model ids whose adapter versions are also scored through a merged copy (the LoRA folded "
+                    "into the weights, bf16 weights packed for oneDNN once): a router decision then pays no "
+                    "LoRA matmuls; generation still goes through peft (services.sampler.merged)")
+    merged_copies: int = Field(default=2, ge=0, le=16,
+                               description="Merged copies held at once, newest kept (a promotion's old and new "
+                                           "version); each is a copy of the model's weights; 0 = none")
     max_body_bytes: int = Field(default=4_000_000, ge=1024, le=100_000_000, description="Largest request body")
     max_resident_adapters: int = Field(default=4, ge=1, le=256,
                                        description="LoRA adapters held in memory at once (vLLM: --max-loras)")

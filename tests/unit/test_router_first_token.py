@@ -178,8 +178,42 @@ async def test_without_prompt_logprobs_the_decision_needs_none_and_agrees(served
             assert {n: got.scores[n] + offset for n in ("a", "bio")} == pytest.approx(
                 {n: want.scores[n] for n in ("a", "bio")}, abs=2e-4)
         assert sent.bodies and not any("prompt_logprobs" in b for b in sent.bodies)
-        assert sum(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], str) for b in sent.bodies) == 2  # once per set
-        assert any(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], int) for b in sent.bodies)
+        tokenizing = [b for b in sent.bodies if "logprobs" not in b]
+        assert [len(b["prompt"]) for b in tokenizing] == [len(SINGLE), len(SHARED)]  # once per set
+        # once the names are known, a shared first token is split in the same call: the router prompt and the
+        # prompt + the members' common prefix, one forward; its tokens matched, so the token-id call was needed
+        # only by the first decision (the names were learned during it)
+        branched = [b["prompt"] for b in sent.bodies if "logprobs" in b and isinstance(b["prompt"], list)
+                    and isinstance(b["prompt"][0], str)]
+        assert len(branched) == len(QUERIES) - 1 and all(p == [p[0], p[0] + "dense-"] for p in branched)
+        assert sum(isinstance(b["prompt"], list) and isinstance(b["prompt"][0], int) for b in sent.bodies) == 1
+
+
+async def test_a_branch_whose_tokens_differ_is_asked_again_by_token_ids(served_tiny) -> None:
+    """Where the prompt + the common prefix does not tokenize as the prompt's tokens + the prefix's (a
+    prefix that ends inside a token, say), the branch's answer is not used: one more one-token completion
+    of the token ids splits the group, and the decision equals the one made without the branch."""
+    from services.router.client import RouterClient
+
+    async with RouterClient(served_tiny, mode="first-token", timeout_s=30, first_token_top=1000,
+                            first_token_slack=1.0, prompt_logprobs=False) as client, \
+            RouterClient(served_tiny, mode="first-token", timeout_s=30, first_token_top=1000,
+                         first_token_slack=1.0, prompt_logprobs=False) as reference:
+        await client.route("router@1", SHARED, QUERIES[0])  # learns the names' tokens
+        completion = client._completion
+
+        async def shifted(model, payload):
+            data = await completion(model, payload)
+            for choice in data["choices"][1:]:  # the branch: as if its prefix had tokenized differently
+                choice["prompt_token_ids"] = choice["prompt_token_ids"][:-1]
+            return data
+
+        client._completion = shifted
+        sent = _Recording(client)
+        got = await client.route("router@1", SHARED, QUERIES[1])
+        want = await reference.route("router@1", SHARED, QUERIES[1])
+    assert [type(b["prompt"][0]) for b in sent.bodies] == [str, int]  # the branch, then the token-id call
+    assert got.ordering == want.ordering and got.scores == pytest.approx(want.scores, abs=2e-4)
 
 
 async def test_concurrent_cold_decisions_tokenize_the_names_once(served_tiny) -> None:

@@ -1,0 +1,74 @@
+"""Merged serving copies: one adapter's LoRA folded into a copy of the model, its linear weights packed once.
+
+A router decision is a short forward (tens of new tokens) through SmolLM2's 30 small layers, so on a
+CPU its time is per-call overhead more than arithmetic: peft adds two matmuls to every adapted
+projection (420 extra calls a forward), and a bf16 matmul lays its weight out again for oneDNN's
+AMX / AVX-512 kernels on every call. A copy with W + ΔW in place, each weight laid out once, pays
+neither. Only scoring uses it (prompt logprobs and one-token completions, the router's calls);
+generation keeps going through peft. Its numbers are the adapter's up to the rounding of W + ΔW in
+the engine's dtype; its prefix-cache entries are kept under their own key (:func:`cache_key`), so a
+generation never reuses keys/values the copy computed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+MERGED_SUFFIX = "+merged"
+
+
+def cache_key(slot: str | None) -> str:
+    """The prefix-cache key of what ``slot``'s merged copy computes (never the slot's own key)."""
+    return f"{slot or ''}{MERGED_SUFFIX}"
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN can pre-pack linear weights of ``dtype`` on this CPU (bf16 with AVX-512 BF16 / AMX)."""
+    return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+class PackedLinear(torch.nn.Module):
+    """A bf16 ``nn.Linear`` whose weight oneDNN laid out once (the same products, no per-call reorder)."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+
+
+def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def merged_copy(model: Any, slot: str | None) -> Any:
+    """A copy of ``model`` (the engine's causal LM, peft layers injected or not) with ``slot``'s LoRA
+    folded into the adapted weights (None: the base alone) and every linear layer packed when
+    :func:`packable`. ΔW = B·A·scaling is computed in float32 and added before the cast."""
+    from peft.tuners.lora import LoraLayer
+
+    clone = copy.deepcopy(model).eval()
+    for name, module in list(clone.named_modules()):
+        if not isinstance(module, LoraLayer):
+            continue
+        base = module.get_base_layer()
+        if slot is not None and slot in module.lora_A:
+            weight = base.weight.data
+            delta = module.get_delta_weight(slot).float()
+            base.weight.data = (weight.float() + delta).to(weight.dtype)
+        _set(clone, name, base)
+    if packable(clone.dtype):
+        for name, module in list(clone.named_modules()):
+            if type(module) is torch.nn.Linear:
+                _set(clone, name, PackedLinear(module))
+    clone.requires_grad_(False)
+    return clone

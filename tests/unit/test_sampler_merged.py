@@ -1,0 +1,99 @@
+"""Merged serving copies (services/sampler/merged.py): a router version scored with its LoRA folded in.
+
+The copy's numbers are checked against an independent transformers + peft forward pass, exactly as
+the peft path's are (tests/unit/test_sampler_scoring.py); which versions get a copy, how many are
+kept, and that the copy's cached keys/values never reach a generation or another slot.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.sampler.engine import Engine
+from services.sampler.merged import PackedLinear, cache_key, merged_copy, packable
+from tests.support.scoring import (  # noqa: F401 - tiny and harness are fixtures
+    assert_prompt_logprobs_match,
+    harness,
+    tiny,
+)
+
+
+async def load(harness, name: str, path) -> None:
+    r = await harness.client.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+    assert r.status_code == 200, r.text
+
+
+async def test_a_router_version_is_scored_through_its_merged_copy(harness, tiny):
+    """router@1 gets a copy (the default ``merged_models``); its prompt logprobs, cache hits included,
+    equal a plain peft forward's; its prefix-cache entries sit under the copy's key, never the slot's."""
+    await load(harness, "router@1", tiny["a"])
+    await load(harness, "lora-a", tiny["a"])  # not a router id: scored through peft
+    eng, registry = harness.sampler.eng, harness.sampler.registry
+    router, plain = registry.get("router@1").slot, registry.get("lora-a").slot
+    assert eng.merged == [router]
+    model, key = eng.scoring_model(router)
+    assert model is not eng.model and key == cache_key(router)
+    for query in ("what is a cell?", "what is a wing?", "what is a cell?"):
+        for name in ("router@1", "lora-a"):
+            body = await harness.score(harness.router_prompts(query), k=2, model=name)
+            for choice in body["choices"]:
+                assert_prompt_logprobs_match(harness, "a", choice, 2)
+    slots = {k[0] for k in eng.prefix_cache._entries}
+    assert cache_key(router) in slots and plain in slots and router not in slots
+    # a generation goes through peft and reuses none of the copy's keys/values
+    reused = eng.prefill_tokens_reused
+    gen = (await harness.client.post("/v1/completions", json={
+        "model": "router@1", "prompt": harness.router_prompts("what is a cell?")[0], "max_tokens": 2,
+        "temperature": 0})).json()
+    assert gen["choices"][0]["text"] is not None and eng.prefill_tokens_reused == reused
+    # (where scoring went through peft, the same generation does reuse what scoring cached)
+    await harness.client.post("/v1/completions", json={
+        "model": "lora-a", "prompt": harness.router_prompts("what is a cell?")[0], "max_tokens": 2, "temperature": 0})
+    assert eng.prefill_tokens_reused > reused
+
+
+@pytest.mark.parametrize("harness", [{"merged_copies": 1}], indirect=True)
+async def test_the_newest_copies_are_kept_and_an_unload_drops_its_copy(harness, tiny):
+    await load(harness, "router@1", tiny["a"])
+    await load(harness, "router@2", tiny["a"])
+    eng, registry = harness.sampler.eng, harness.sampler.registry
+    one, two = registry.get("router@1").slot, registry.get("router@2").slot
+    assert eng.merged == [two]
+    model, key = eng.scoring_model(one)  # the older version still scores, through peft
+    assert model is eng.model and key == one
+    await harness.score(harness.router_prompts("what is a cell?"), model="router@2")
+    assert cache_key(two) in {k[0] for k in eng.prefix_cache._entries}
+    assert (await harness.client.post("/v1/unload_lora_adapter", json={"lora_name": "router@2"})).status_code == 200
+    assert eng.merged == [] and cache_key(two) not in {k[0] for k in eng.prefix_cache._entries}
+
+
+@pytest.mark.parametrize("harness", [{"merged_copies": 0}, {"merged_models": ()}], indirect=True)
+async def test_no_copy_when_turned_off(harness, tiny):
+    await load(harness, "router@1", tiny["a"])
+    assert harness.sampler.eng.merged == []
+    body = await harness.score(harness.router_prompts("what is a cell?"), k=1, model="router@1")
+    for choice in body["choices"]:
+        assert_prompt_logprobs_match(harness, "a", choice, 1)
+
+
+def test_a_bf16_copy_packs_its_linear_layers_where_the_cpu_can(tiny):
+    """In bf16 on a CPU with oneDNN bf16 kernels every linear layer is packed once (elsewhere the copy
+    is only merged); either way its logits are the peft model's up to bf16 rounding."""
+    import torch
+
+    eng = Engine(tiny["base"], dtype="bfloat16")
+    eng.load_adapter("s", tiny["a"])
+    copy = merged_copy(eng.model, "s")
+    packed = [m for m in copy.modules() if isinstance(m, PackedLinear)]
+    linear = [m for m in copy.modules() if type(m) is torch.nn.Linear]
+    assert (bool(packed), bool(linear)) == ((True, False) if packable(torch.bfloat16) else (False, True))
+    assert not any("lora" in name for name, _ in copy.named_modules())
+    ids = torch.tensor([eng.encode("which provider answers a query about cells and wings")])
+    with torch.inference_mode():
+        eng._activate("s")
+        want = eng.model(input_ids=ids).logits.float()
+        got = copy(input_ids=ids).logits.float()
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    with pytest.raises(Exception, match="not loaded"):
+        eng.merge("nope")
