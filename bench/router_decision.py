@@ -1,7 +1,7 @@
 """Benchmark: the router's decision latency, generating an ordering vs scoring the candidates, same run.
 
-The CPU sampler (``services.sampler.app.create_app``) serves SmolLM2-135M-Instruct in this process
-(uvicorn on a free loopback port), with a freshly initialised LoRA adapter loaded as ``router@1``
+The CPU sampler serves SmolLM2-135M-Instruct in its own process (``python -m services.sampler``, as
+deployed; ``--server inline``: in this process, uvicorn on a free loopback port), with a freshly initialised LoRA adapter loaded as ``router@1``
 (r=8, alpha=16, q/k/v/o: the trainer's defaults; LoRA's B starts at zero, so its numbers are the
 base model's, its cost is an adapter's) unless ``--no-adapter`` (the base model). Two paths decide
 the provider for the same queries (``sample_queries(seed=0)``), closed loop, at each concurrency:
@@ -14,9 +14,14 @@ the provider for the same queries (``sample_queries(seed=0)``), closed loop, at 
   ``max_tokens=1, temperature=0, prompt_logprobs=0``; the decision is the provider whose name's
   tokens have the highest summed logprob.
 * ``first-token``: the gateway's ``RouterClient`` in ``first-token`` mode: one one-token completion of
-  the prompt with its 20 alternatives decides between names that start differently; the two ``web-``
-  names (one first token) get a K-prompt call of their own when they could win. Its decisions are
-  compared query by query with the ``score`` path's (``agreement_first_token_vs_score``).
+  the prompt with its 20 alternatives decides between names that start differently; by default the
+  lean path (``prompt_logprobs=False``): the two ``web-`` names (one first token) are split in the same
+  call by a second prompt ending in their common prefix; ``--first-token-prompt-logprobs``: by a
+  K-prompt call of their own when they could win. Its decisions are compared query by query with the
+  ``score`` path's (``agreement_first_token_vs_score``).
+
+The served ``router@1`` is scored through the sampler's merged copy (``--merged-copies 0``: through peft,
+as before merged copies; ``services/sampler/merged.py``).
 
 ``--adapter DIR`` serves a trained adapter instead of a fresh one (agreement means little on an
 untrained one), and ``--queries-file`` takes the queries from a traces or episodes JSONL (for example
@@ -35,11 +40,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -176,19 +184,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from services.common.settings import KafkaSettings
     from services.providers.collections import sample_queries
     from services.providers.markets import market
-    from services.sampler.app import create_app
-    from services.sampler.serving import Sampler
     from services.sampler.settings import SamplerSettings
-    from services.tools.serving import free_port, served
 
     names = [p.name for p in market(args.market)]
     settings = SamplerSettings(base_model=args.base, served_model_name="base", threads=args.threads,
                                dtype=args.dtype, consume_adapters=False, score_batch_wait_ms=args.batch_wait_ms,
+                               merged_copies=args.merged_copies,
                                adapter_cache_dir=Path(tempfile.mkdtemp(prefix="bench-rd-cache-")),
                                kafka=KafkaSettings(bootstrap_servers="memory://"))
-    sampler = Sampler(settings)
     levels = [int(c) for c in args.concurrency.split(",")]
     out: dict[str, Any] = {"model": args.base, "dtype": args.dtype, "market": args.market, "providers": names,
+                           "server": args.server,
                            "adapter": None if args.no_adapter else {"kind": "fresh LoRA (B=0)", **LORA},
                            "gen_tokens": args.gen_tokens, "paths": args.paths,
                            "first_token_prompt_logprobs": args.first_token_prompt_logprobs, "decisions": args.decisions,
@@ -196,8 +202,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                            "concurrency": levels, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
                            "settings": {k: getattr(settings, k) for k in (
                                "score_max_batch", "score_batch_wait_ms", "score_max_forward_tokens",
-                               "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens")}}
-    async with served(create_app(settings, sampler=sampler), free_port(), what="sampler") as base:
+                               "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens", "merged_copies")}}
+    async with sampler_server(settings, args.server) as (base, metric, tok):
         out["torch_threads"] = torch.get_num_threads()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as http:
             model = "base"
@@ -212,7 +218,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             queries = (load_queries(args.queries_file)[:args.decisions + args.warmup] if args.queries_file else
                        [q.text for q in sample_queries(limit=args.decisions + args.warmup, seed=0)])
             out["queries"] = str(args.queries_file) if args.queries_file else "sample_queries(seed=0)"
-            tok = sampler.eng.tokenizer
             cases = [Case(tok, model, names, q, args.gen_tokens) for q in queries]
             out["score_prompt_tokens_mean"] = float(np.mean([c.prefix_len for c in cases]))
             results: dict[str, dict[str, Any]] = {}
@@ -245,21 +250,85 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 out["agreement_vs_reference"] = {
                     "reference": str(args.reference), "reference_dtype": ref["dtype"],
                     **{k: _agree(v, ref["chosen"].get(f"score@{k.split('@')[1]}")) for k, v in chosen.items()}}
-            m = sampler.metrics.registry
             out["sampler"] = {
-                "score_batches": m.get_sample_value("fanroute_sampler_score_batch_requests_count"),
-                "score_requests": m.get_sample_value("fanroute_sampler_score_batch_requests_sum"),
-                "prefix_cache": {o: m.get_sample_value("fanroute_sampler_score_forwards_total", {"cache": o})
+                "score_batches": await metric("fanroute_sampler_score_batch_requests_count"),
+                "score_requests": await metric("fanroute_sampler_score_batch_requests_sum"),
+                "prefix_cache": {o: await metric("fanroute_sampler_score_forwards_total", cache=o)
                                  for o in ("hit", "partial", "miss")},
-                "prompt_tokens": m.get_sample_value("fanroute_sampler_tokens_total", {"kind": "prompt"}),
-                "prompt_tokens_reused": m.get_sample_value("fanroute_sampler_tokens_total",
-                                                           {"kind": "prompt_reused"}),
-                "prompt_tokens_forwarded": m.get_sample_value("fanroute_sampler_tokens_total",
-                                                              {"kind": "prompt_forwarded"})}
+                "prompt_tokens": await metric("fanroute_sampler_tokens_total", kind="prompt"),
+                "prompt_tokens_reused": await metric("fanroute_sampler_tokens_total", kind="prompt_reused"),
+                "prompt_tokens_forwarded": await metric("fanroute_sampler_tokens_total", kind="prompt_forwarded")}
             out["sampler"]["forwarded_tokens_per_decision"] = (out["sampler"]["prompt_tokens_forwarded"] or 0) \
                 / max(1.0, out["sampler"]["score_requests"] or 0)
     out["loadavg_after"] = os.getloadavg()
     return out
+
+
+@contextlib.asynccontextmanager
+async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, Any, Any]]:
+    """The sampler for ``settings``: (base URL, ``metric(name, **labels)``, its tokenizer).
+
+    ``process`` (the default) runs ``python -m services.sampler`` in its own process, as deployed: the
+    gateway reaches it over HTTP from another process. ``inline`` serves it in this process (uvicorn on
+    loopback), sharing the interpreter with the load generator — how this bench ran before 2026-12-06,
+    ≈ 30 ms slower a decision on 2 cores."""
+    from transformers import AutoTokenizer
+
+    from services.common.errors import FanrouteError
+    from services.sampler.app import create_app
+    from services.sampler.serving import Sampler
+    from services.tools.serving import free_port, served
+
+    if where == "inline":
+        sampler = Sampler(settings)
+        async with served(create_app(settings, sampler=sampler), free_port(), what="sampler") as base:
+            async def metric(name: str, **labels: str) -> float | None:
+                return sampler.metrics.registry.get_sample_value(name, labels)
+
+            yield base, metric, sampler.eng.tokenizer
+        return
+    port = free_port()
+    env = {**os.environ, **{f"FANROUTE_{k.upper()}": str(v) for k, v in settings.model_dump(
+        include={"base_model", "served_model_name", "dtype", "score_batch_wait_ms", "merged_copies",
+                 "adapter_cache_dir"}).items()},
+           "FANROUTE_CONSUME_ADAPTERS": "false", "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": "memory://",
+           "FANROUTE_HOST": "127.0.0.1", "FANROUTE_PORT": str(port), "FANROUTE_LOG_LEVEL": "WARNING",
+           **({"FANROUTE_THREADS": str(settings.threads)} if settings.threads else {})}
+    log = Path(tempfile.mkdtemp(prefix="bench-rd-sampler-")) / "sampler.log"
+    proc = subprocess.Popen([sys.executable, "-m", "services.sampler"], cwd=ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise FanrouteError(f"the sampler exited ({proc.returncode}): {log.read_text()[-2000:]}")
+                try:
+                    async with http.get(base + "/v1/models") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise FanrouteError(f"the sampler did not start in 300 s (log: {log})")
+                await asyncio.sleep(0.2)
+
+            async def metric(name: str, **labels: str) -> float | None:
+                from prometheus_client.parser import text_string_to_metric_families
+
+                async with http.get(base + "/metrics") as r:
+                    text = await r.text()
+                return next((s.value for f in text_string_to_metric_families(text) for s in f.samples
+                             if s.name == name and s.labels == labels), None)
+
+            yield base, metric, AutoTokenizer.from_pretrained(settings.base_model)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def _agree(mine: list[str | None], ref: list[str | None] | None) -> dict[str, Any] | None:
@@ -314,6 +383,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the sampler's score_batch_wait_ms")
+    p.add_argument("--server", choices=["process", "inline"], default="process",
+                   help="the sampler in its own process (as deployed) or in this one (the load generator's)")
+    p.add_argument("--merged-copies", type=int, default=2,
+                   help="the sampler's merged_copies (0: score router@1 through peft, as before merged copies)")
     p.add_argument("--no-adapter", action="store_true", help="serve the base model, no LoRA")
     p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
     p.add_argument("--progress", type=int, default=50, help="progress line every N decisions (0: none)")
