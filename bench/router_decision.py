@@ -24,8 +24,9 @@ The served ``router@1`` is scored through the sampler's merged copy (``--merged-
 as before merged copies; ``services/sampler/merged.py``).
 
 ``--adapter DIR`` serves a trained adapter instead of a fresh one (agreement means little on an
-untrained one), and ``--queries-file`` takes the queries from a traces or episodes JSONL (for example
-the demo's held-out traces) instead of ``sample_queries``.
+untrained one), and ``--queries-file`` takes the queries from a traces or episodes JSONL, or from a
+``fanroute eval`` report (``out/demo/eval/eval.json``: the demo's held-out queries), instead of
+``sample_queries``.
 
 Latency is client-side per decision (HTTP included); ``--warmup`` decisions per path and level are
 not measured. Reports p50/p99 per path and level and the ratio generate/score, as a table and as
@@ -33,7 +34,7 @@ JSON (bench/results/router_decision.json), with the load average before and afte
 
     python bench/router_decision.py --decisions 200 --concurrency 1,20
     python bench/router_decision.py --paths score,first-token --adapter out/demo/train/run/adapter \
-        --queries-file out/demo/eval/held_out_traces.jsonl --decisions 186
+        --queries-file out/demo/eval/eval.json --decisions 176 --warmup 10 --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -168,7 +169,10 @@ async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: 
 
 
 def load_queries(path: Path) -> list[str]:
-    """The queries of a traces or episodes JSONL (``query``, or the episode's user turn), in file order."""
+    """The queries of a traces or episodes JSONL (``query``, or the episode's user turn), in file order, or
+    of a ``fanroute eval`` report (``eval.json``: exactly the held-out queries it measured)."""
+    if path.suffix == ".json":
+        return [q["query"] for q in json.loads(path.read_text())["queries"]]
     out = []
     for line in path.read_text().splitlines():
         if line.strip():
@@ -379,7 +383,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="which paths to run (two of them, for their ratio)")
     p.add_argument("--adapter", type=Path, default=None, help="a trained adapter to serve (default: a fresh one)")
     p.add_argument("--queries-file", type=Path, default=None,
-                   help="traces or episodes JSONL to take the queries from (default: sample_queries)")
+                   help="traces or episodes JSONL, or an eval.json (its held-out queries), to take the queries "
+                        "from (default: sample_queries)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the sampler's score_batch_wait_ms")

@@ -37,12 +37,14 @@ def test_a_reference_run_is_compared_decision_by_decision(tmp_path):
     common = ["--base", str(base), "--decisions", "3", "--warmup", "1", "--concurrency", "1", "--paths",
               "score,first-token", "--progress", "0"]
     main([*common, "--out", str(first)])
-    main([*common, "--reference", str(first), "--out", str(second)])
+    main([*common, "--reference", str(first), "--server", "inline", "--out", str(second)])
     out = json.loads(second.read_text())
+    assert json.loads(first.read_text())["server"] == "process" and out["server"] == "inline"
     assert set(out["chosen"]) == {"score@1", "first-token@1"} and len(out["chosen"]["score@1"]) == 3
     agree = out["agreement_vs_reference"]
     assert agree["reference"] == str(first) and agree["reference_dtype"] == "float32"
-    assert agree["score@1"] == {"same": 3, "n": 3, "share": 1.0}  # same weights, same queries: same decisions
+    # same weights, same queries, the sampler in its own process or in the bench's: the same decisions
+    assert agree["score@1"] == {"same": 3, "n": 3, "share": 1.0}
 
 
 def test_a_missing_reference_is_refused_before_any_work(tmp_path, capsys):
@@ -51,3 +53,18 @@ def test_a_missing_reference_is_refused_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--reference", str(tmp_path / "absent.json"), "--out", str(tmp_path / "out.json")])
     assert "--reference" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+
+
+def test_queries_come_from_an_eval_report_or_a_jsonl(tmp_path):
+    """An ``eval.json`` gives exactly the held-out queries it measured; a JSONL its ``query`` or user turn."""
+    from pathlib import Path
+
+    from bench.router_decision import load_queries
+
+    report = tmp_path / "eval.json"
+    report.write_text(json.dumps({"queries": [{"query": "wing flutter", "trace_id": "t1"}, {"query": "cells"}]}))
+    assert load_queries(report) == ["wing flutter", "cells"]
+    lines = tmp_path / "traces.jsonl"
+    lines.write_text(json.dumps({"query": "a"}) + "\n\n" + json.dumps(
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]}) + "\n")
+    assert load_queries(Path(lines)) == ["a", "b"]
