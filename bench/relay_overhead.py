@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,29 +40,9 @@ sys.path.insert(0, str(ROOT))
 import aiohttp
 import numpy as np
 
-from bench.router_decision import LORA, fresh_adapter, pct
+from bench.router_decision import LORA, fresh_adapter, pct, start, wait_ready  # noqa: F401 - re-exported
 
 ADMIN = "bench-admin-" + uuid.uuid4().hex
-
-
-def start(module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env}, cwd=ROOT,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-async def wait_ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, what: str, log: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            async with http.get(url) as r:
-                if r.status == 200:
-                    return
-        except aiohttp.ClientError:
-            pass
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"{what} did not start in 300 s")
 
 
 async def one(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[float, dict]:

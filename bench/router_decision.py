@@ -268,6 +268,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def start(module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``python -m module`` from the repository root with ``env`` over this environment, output to ``log``."""
+    return subprocess.Popen([sys.executable, "-m", module], env={**os.environ, **env}, cwd=ROOT,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str, proc: subprocess.Popen, what: str, log: Path) -> None:
+    """Until ``url`` answers 200; the log's tail in the error when ``proc`` exits first."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            async with http.get(url) as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"{what} did not start in 300 s")
+
+
 @contextlib.asynccontextmanager
 async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, Any, Any]]:
     """The sampler for ``settings``: (base URL, ``metric(name, **labels)``, its tokenizer).
@@ -278,7 +300,6 @@ async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, 
     ≈ 30 ms slower a decision on 2 cores."""
     from transformers import AutoTokenizer
 
-    from services.common.errors import FanrouteError
     from services.sampler.app import create_app
     from services.sampler.serving import Sampler
     from services.tools.serving import free_port, served
@@ -292,31 +313,18 @@ async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, 
             yield base, metric, sampler.eng.tokenizer
         return
     port = free_port()
-    env = {**os.environ, **{f"FANROUTE_{k.upper()}": str(v) for k, v in settings.model_dump(
+    env = {**{f"FANROUTE_{k.upper()}": str(v) for k, v in settings.model_dump(
         include={"base_model", "served_model_name", "dtype", "score_batch_wait_ms", "merged_copies",
                  "adapter_cache_dir"}).items()},
            "FANROUTE_CONSUME_ADAPTERS": "false", "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": "memory://",
            "FANROUTE_HOST": "127.0.0.1", "FANROUTE_PORT": str(port), "FANROUTE_LOG_LEVEL": "WARNING",
            **({"FANROUTE_THREADS": str(settings.threads)} if settings.threads else {})}
     log = Path(tempfile.mkdtemp(prefix="bench-rd-sampler-")) / "sampler.log"
-    proc = subprocess.Popen([sys.executable, "-m", "services.sampler"], cwd=ROOT, env=env,
-                            stdout=log.open("w"), stderr=subprocess.STDOUT)
+    proc = start("services.sampler", env, log)
     base = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise FanrouteError(f"the sampler exited ({proc.returncode}): {log.read_text()[-2000:]}")
-                try:
-                    async with http.get(base + "/v1/models") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise FanrouteError(f"the sampler did not start in 300 s (log: {log})")
-                await asyncio.sleep(0.2)
+            await wait_ready(http, base + "/v1/models", proc, "sampler", log)
 
             async def metric(name: str, **labels: str) -> float | None:
                 from prometheus_client.parser import text_string_to_metric_families
