@@ -101,6 +101,18 @@ async def test_the_router_decides_without_prompt_logprobs_and_vllm_stays_up(vllm
                                 first_token_slack=1.0) as client:  # slack 1: every shared first token is split
             answers = await asyncio.gather(*(client.route("router@2", names, q.text)
                                              for q in sample_queries(limit=16, seed=1)))
+            sent: list[dict] = []
+            post = client._post
+
+            async def recorded(model, path, payload):
+                sent.append(payload)
+                return await post(model, path, payload)
+
+            client._post = recorded  # the names are known now: the `web-` split rides in the decision's call
+            again = [await client.route("router@2", names, q.text) for q in sample_queries(limit=4, seed=2)]
+        assert all(set(a.ordering) == set(names) for a in again) and len(sent) == 4
+        assert all(isinstance(b["prompt"], list) and len(b["prompt"]) == 2 and b["prompt"][1].endswith("web-")
+                   for b in sent)  # vLLM tokenized the branch as the prompt + the prefix: no token-id call
         print(f"16 concurrent first-token decisions: {time.perf_counter() - t0:.1f}s, "
               f"p50 {sorted(a.latency_ms for a in answers)[8]:.0f} ms")
         assert all(a.ordering and set(a.ordering) == set(names) for a in answers)
