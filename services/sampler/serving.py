@@ -58,6 +58,8 @@ class SamplerMetrics:
         self.adapter_events = Counter("fanroute_sampler_adapter_events", "Adapter loads, evictions, refusals",
                                       ["event"], registry=self.registry)
         self.resident = Gauge("fanroute_sampler_adapters_resident", "Adapters in memory", registry=self.registry)
+        self.merged = Gauge("fanroute_sampler_merged_copies", "Adapters scored through a merged copy",
+                            registry=self.registry)
         self.score_batch = Histogram("fanroute_sampler_score_batch_requests", "Requests scored by one batch",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
         self.score_seconds = Histogram("fanroute_sampler_score_seconds", "Time of one scoring batch",
@@ -150,18 +152,31 @@ class Sampler:
             slot = f"lora{self._slots}"
             self.eng.load_adapter(slot, entry.path)
             entry.slot = slot
-            if self.settings.merged_copies and entry.model_id in self.settings.merged_models:
-                self.eng.merge(slot, keep=self.settings.merged_copies)
             self.metrics.adapter_events.labels("loaded").inc()
+            if self.settings.merged_copies and entry.model_id in self.settings.merged_models:
+                self._merge(entry.name, slot)
         self.registry.mark_resident(entry.name)
         self.metrics.resident.set(len(self.registry.resident()))
         return entry.slot
+
+    def _merge(self, name: str, slot: str) -> None:
+        """Score ``slot`` through a merged copy; one that cannot be built is logged and counted, and the
+        version is scored through peft (the copy only saves time)."""
+        try:
+            self.eng.merge(slot, keep=self.settings.merged_copies)
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the copy: serve it unmerged
+            self.metrics.adapter_events.labels("merge_failed").inc()
+            log.warning("%s is scored through peft: its merged copy failed: %s: %s", name, type(exc).__name__, exc)
+        else:
+            self.metrics.adapter_events.labels("merged").inc()
+        self.metrics.merged.set(len(self.eng.merged))
 
     def _evict(self, entry: AdapterEntry) -> None:
         if entry.slot is not None:
             self.eng.unload_adapter(entry.slot)
             entry.slot = None
             self.metrics.adapter_events.labels("evicted").inc()
+            self.metrics.merged.set(len(self.eng.merged))
         self.registry.mark_evicted(entry.name)
         self.metrics.resident.set(len(self.registry.resident()))
 

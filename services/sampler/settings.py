@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field
 
-from schemas.adapter import ROUTER_MODEL_ID
+from schemas.adapter import MODEL_ID_PATTERN, ROUTER_MODEL_ID
 from services.common import paths
 from services.common.settings import ServiceSettings
 
@@ -53,7 +54,7 @@ class SamplerSettings(ServiceSettings):
                                       description="Token prefixes whose keys/values scoring keeps (0 = off)")
     prefix_cache_min_tokens: int = Field(default=16, ge=1, le=1_048_576,
                                          description="Shortest prefix worth keeping in the prefix cache")
-    merged_models: tuple[str, ...] = Field(
+    merged_models: tuple[Annotated[str, Field(pattern=MODEL_ID_PATTERN)], ...] = Field(
         default=(ROUTER_MODEL_ID,), max_length=64,
         description="Model ids whose adapter versions are also scored through a merged copy (the LoRA folded "
                     "into the weights, bf16 weights packed for oneDNN once): a router decision then pays no "

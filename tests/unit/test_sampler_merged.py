@@ -97,3 +97,39 @@ def test_a_bf16_copy_packs_its_linear_layers_where_the_cpu_can(tiny):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
     with pytest.raises(Exception, match="not loaded"):
         eng.merge("nope")
+
+
+async def test_a_copy_that_cannot_be_built_leaves_the_version_served_through_peft(harness, tiny, monkeypatch):
+    """The copy only saves time: when building it fails (say, no memory for a second set of weights) the
+    version still loads and answers, through peft, and the failure is counted."""
+    import services.sampler.merged as merged
+
+    def no_memory(model, slot):
+        raise MemoryError("no room for a copy")
+
+    monkeypatch.setattr(merged, "merged_copy", no_memory)
+    await load(harness, "router@1", tiny["a"])
+    assert harness.sampler.eng.merged == []
+    assert harness.metric("fanroute_sampler_adapter_events_total", event="merge_failed") == 1
+    assert harness.metric("fanroute_sampler_merged_copies") == 0
+    body = await harness.score(harness.router_prompts("what is a cell?"), k=1, model="router@1")
+    for choice in body["choices"]:
+        assert_prompt_logprobs_match(harness, "a", choice, 1)
+
+
+async def test_the_copies_are_counted(harness, tiny):
+    await load(harness, "router@1", tiny["a"])
+    assert harness.metric("fanroute_sampler_merged_copies") == 1
+    assert harness.metric("fanroute_sampler_adapter_events_total", event="merged") == 1
+    assert (await harness.client.post("/v1/unload_lora_adapter", json={"lora_name": "router@1"})).status_code == 200
+    assert harness.metric("fanroute_sampler_merged_copies") == 0
+
+
+def test_a_bad_model_id_in_merged_models_is_refused_by_name(tmp_path):
+    from pydantic import ValidationError
+
+    from services.sampler.settings import SamplerSettings
+
+    with pytest.raises(ValidationError, match="merged_models"):
+        SamplerSettings(base_model="unused", merged_models=("router", "no spaces/here"),
+                        adapter_cache_dir=tmp_path)
