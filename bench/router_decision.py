@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [p.name for p in market(args.market)]
     settings = SamplerSettings(base_model=args.base, served_model_name="base", threads=args.threads,
                                dtype=args.dtype, consume_adapters=False, score_batch_wait_ms=args.batch_wait_ms,
-                               merged_copies=args.merged_copies,
+                               merged_copies=args.merged_copies, fused_layers=args.fused_layers,
                                adapter_cache_dir=Path(tempfile.mkdtemp(prefix="bench-rd-cache-")),
                                kafka=KafkaSettings(bootstrap_servers="memory://"))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -206,7 +206,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                            "concurrency": levels, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
                            "settings": {k: getattr(settings, k) for k in (
                                "score_max_batch", "score_batch_wait_ms", "score_max_forward_tokens",
-                               "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens", "merged_copies")}}
+                               "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens", "merged_copies",
+                               "fused_layers")}}
     async with sampler_server(settings, args.server) as (base, metric, tok):
         out["torch_threads"] = torch.get_num_threads()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as http:
@@ -315,7 +316,7 @@ async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, 
     port = free_port()
     env = {**{f"FANROUTE_{k.upper()}": str(v) for k, v in settings.model_dump(
         include={"base_model", "served_model_name", "dtype", "score_batch_wait_ms", "merged_copies",
-                 "adapter_cache_dir"}).items()},
+                 "fused_layers", "adapter_cache_dir"}).items()},
            "FANROUTE_CONSUME_ADAPTERS": "false", "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": "memory://",
            "FANROUTE_HOST": "127.0.0.1", "FANROUTE_PORT": str(port), "FANROUTE_LOG_LEVEL": "WARNING",
            **({"FANROUTE_THREADS": str(settings.threads)} if settings.threads else {})}
@@ -400,6 +401,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the sampler in its own process (as deployed) or in this one (the load generator's)")
     p.add_argument("--merged-copies", type=int, default=2,
                    help="the sampler's merged_copies (0: score router@1 through peft, as before merged copies)")
+    p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=True,
+                   help="the sampler's fused_layers: a bf16 merged copy's Llama layers fused (services.sampler.fused)")
     p.add_argument("--no-adapter", action="store_true", help="serve the base model, no LoRA")
     p.add_argument("--base", default=None, help="model dir (default: the prepared SmolLM2)")
     p.add_argument("--progress", type=int, default=50, help="progress line every N decisions (0: none)")

@@ -182,9 +182,10 @@ class Engine:
         """The slots scored through a merged copy, oldest first."""
         return list(self._merged)
 
-    def merge(self, slot: str | None, *, keep: int = 1) -> None:
+    def merge(self, slot: str | None, *, keep: int = 1, fuse: bool = True) -> None:
         """Score ``slot`` (None: the base) through a copy with its LoRA folded in and its linear weights
-        packed (:mod:`services.sampler.merged`); the oldest copies beyond ``keep`` are dropped."""
+        packed (:mod:`services.sampler.merged`; ``fuse``: its Llama layers fused where they can be,
+        :mod:`services.sampler.fused`); the oldest copies beyond ``keep`` are dropped."""
         from services.sampler.merged import merged_copy
 
         if slot is not None and slot not in self.slots:
@@ -193,7 +194,7 @@ class Engine:
         with self.lock, warnings.catch_warnings():
             warnings.simplefilter("ignore")
             self.unmerge(slot)
-            self._merged[slot] = merged_copy(self.model, slot)
+            self._merged[slot] = merged_copy(self.model, slot, fuse=fuse)
             while len(self._merged) > max(keep, 1):
                 self.unmerge(next(iter(self._merged)))
         log.info("slot %s merged for scoring in %.2fs", slot, time.perf_counter() - t0)

@@ -50,10 +50,11 @@ def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def merged_copy(model: Any, slot: str | None) -> Any:
+def merged_copy(model: Any, slot: str | None, *, fuse: bool = True) -> Any:
     """A copy of ``model`` (the engine's causal LM, peft layers injected or not) with ``slot``'s LoRA
     folded into the adapted weights (None: the base alone) and every linear layer packed when
-    :func:`packable`. ΔW = B·A·scaling is computed in float32 and added before the cast."""
+    :func:`packable` (``fuse``: its Llama layers fused, :func:`services.sampler.fused.fuse_llama`).
+    ΔW = B·A·scaling is computed in float32 and added before the cast."""
     from peft.tuners.lora import LoraLayer
 
     clone = copy.deepcopy(model).eval()
@@ -67,6 +68,10 @@ def merged_copy(model: Any, slot: str | None) -> Any:
             base.weight.data = (weight.float() + delta).to(weight.dtype)
         _set(clone, name, base)
     if packable(clone.dtype):
+        if fuse:
+            from services.sampler.fused import fuse_llama
+
+            fuse_llama(clone)
         for name, module in list(clone.named_modules()):
             if type(module) is torch.nn.Linear:
                 _set(clone, name, PackedLinear(module))

@@ -62,6 +62,10 @@ class SamplerSettings(ServiceSettings):
     merged_copies: int = Field(default=2, ge=0, le=16,
                                description="Merged copies held at once, newest kept (a promotion's old and new "
                                            "version); each is a copy of the model's weights; 0 = none")
+    fused_layers: bool = Field(default=True,
+                               description="In a bf16 merged copy of a Llama model, run each decoder layer as "
+                                           "four oneDNN matmuls with its norm, rotary, SiLU, gate and residual "
+                                           "work fused in (services.sampler.fused); false: the plain layers")
     max_body_bytes: int = Field(default=4_000_000, ge=1024, le=100_000_000, description="Largest request body")
     max_resident_adapters: int = Field(default=4, ge=1, le=256,
                                        description="LoRA adapters held in memory at once (vLLM: --max-loras)")
