@@ -193,6 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [p.name for p in market(args.market)]
     settings = SamplerSettings(base_model=args.base, served_model_name="base", threads=args.threads,
                                dtype=args.dtype, consume_adapters=False, score_batch_wait_ms=args.batch_wait_ms,
+                               score_batch_max_wait_ms=max(args.batch_max_wait_ms, args.batch_wait_ms),
                                merged_copies=args.merged_copies, fused_layers=args.fused_layers,
                                adapter_cache_dir=Path(tempfile.mkdtemp(prefix="bench-rd-cache-")),
                                kafka=KafkaSettings(bootstrap_servers="memory://"))
@@ -200,12 +201,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.base, "dtype": args.dtype, "market": args.market, "providers": names,
                            "server": args.server,
                            "adapter": None if args.no_adapter else {"kind": "fresh LoRA (B=0)", **LORA},
-                           "gen_tokens": args.gen_tokens, "paths": args.paths,
+                           "gen_tokens": args.gen_tokens, "paths": args.paths, "rounds": args.rounds,
                            "first_token_prompt_logprobs": args.first_token_prompt_logprobs, "decisions": args.decisions,
                            "warmup": args.warmup,
                            "concurrency": levels, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
                            "settings": {k: getattr(settings, k) for k in (
-                               "score_max_batch", "score_batch_wait_ms", "score_max_forward_tokens",
+                               "score_max_batch", "score_batch_wait_ms", "score_batch_max_wait_ms", "score_max_forward_tokens",
                                "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens", "merged_copies",
                                "fused_layers")}}
     async with sampler_server(settings, args.server) as (base, metric, tok):
@@ -224,6 +225,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                        [q.text for q in sample_queries(limit=args.decisions + args.warmup, seed=0)])
             out["queries"] = str(args.queries_file) if args.queries_file else "sample_queries(seed=0)"
             cases = [Case(tok, model, names, q, args.gen_tokens) for q in queries]
+            if args.rounds > 1 and len(cases) - args.warmup <= settings.prefix_cache_entries:
+                raise SystemExit(f"--rounds {args.rounds}: {len(cases) - args.warmup} queries would come back "
+                                 f"while the prefix cache ({settings.prefix_cache_entries} prompts) still holds them")
             out["score_prompt_tokens_mean"] = float(np.mean([c.prefix_len for c in cases]))
             results: dict[str, dict[str, Any]] = {}
             for level in levels:
@@ -232,8 +236,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                           file=sys.stderr, flush=True)
                     await closed_loop(http, base, path, cases[:args.warmup], names, min(level, args.warmup or 1), 0,
                                       args.first_token_prompt_logprobs)
-                    results[f"{path}@{level}"] = await closed_loop(http, base, path, cases[args.warmup:], names,
-                                                                   level, args.progress, args.first_token_prompt_logprobs)
+                    before = [await metric(f"fanroute_sampler_score_batch_requests_{x}") or 0 for x in ("count", "sum")]
+                    measured = cases[args.warmup:]
+                    res = await closed_loop(http, base, path, measured * args.rounds, names, level, args.progress,
+                                            args.first_token_prompt_logprobs)
+                    after = [await metric(f"fanroute_sampler_score_batch_requests_{x}") or 0 for x in ("count", "sum")]
+                    res["chosen"] = res["chosen"][:len(measured)]  # decisions compared on the first round
+                    res["forwards"] = after[0] - before[0]  # scoring batches (one forward each, or a few)
+                    res["requests_per_forward"] = (after[1] - before[1]) / max(after[0] - before[0], 1)
+                    results[f"{path}@{level}"] = res
             chosen = {k: r.pop("chosen") for k, r in results.items()}
             out["results"] = results
             out["ratio_generate_over_score"] = {
@@ -315,7 +326,8 @@ async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, 
         return
     port = free_port()
     env = {**{f"FANROUTE_{k.upper()}": str(v) for k, v in settings.model_dump(
-        include={"base_model", "served_model_name", "dtype", "score_batch_wait_ms", "merged_copies",
+        include={"base_model", "served_model_name", "dtype", "score_batch_wait_ms", "score_batch_max_wait_ms",
+                 "merged_copies",
                  "fused_layers", "adapter_cache_dir"}).items()},
            "FANROUTE_CONSUME_ADAPTERS": "false", "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": "memory://",
            "FANROUTE_HOST": "127.0.0.1", "FANROUTE_PORT": str(port), "FANROUTE_LOG_LEVEL": "WARNING",
@@ -356,12 +368,13 @@ def report(out: dict[str, Any]) -> None:
     print(f"\nrouter decision latency, {out['model']} ({out['dtype']}), "
           f"{'adapter: ' + out['adapter']['kind'] if out['adapter'] else 'base model'}, {out['cpus']} CPUs, "
           f"{out['torch_threads']} torch threads, load {out['loadavg_before'][0]:.2f} -> {out['loadavg_after'][0]:.2f}")
-    print(f"{'path':<10}{'conc':>5}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'dec/s':>8}{'out tok':>8}")
+    print(f"{'path':<10}{'conc':>5}{'p50 ms':>10}{'p99 ms':>10}{'mean ms':>10}{'dec/s':>8}{'out tok':>8}"
+          f"{'req/fwd':>8}")
     for level in out["concurrency"]:
         for path in [p for p in PATHS if f"{p}@{level}" in out["results"]]:
             r = out["results"][f"{path}@{level}"]
             print(f"{path:<10}{level:>5}{r['p50']:>10.0f}{r['p99']:>10.0f}{r['mean']:>10.0f}"
-                  f"{r['decisions_per_s']:>8.1f}{r['completion_tokens_mean']:>8.1f}")
+                  f"{r['decisions_per_s']:>8.1f}{r['completion_tokens_mean']:>8.1f}{r['requests_per_forward']:>8.1f}")
         ratio = out["ratio_generate_over_score"].get(str(level))
         if ratio:
             print(f"{'ratio':<10}{level:>5}{ratio['p50']:>9.1f}x{ratio['p99']:>9.1f}x   (generate / score)")
@@ -397,6 +410,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the sampler's score_batch_wait_ms")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each level over the queries this many times (decisions compared on the first); "
+                        "the sampler's prefix cache holds 8 prompts, so a query is never still cached when it returns")
+    p.add_argument("--batch-max-wait-ms", type=float, default=10.0,
+                   help="the sampler's score_batch_max_wait_ms (waits again while requests keep arriving)")
     p.add_argument("--server", choices=["process", "inline"], default="process",
                    help="the sampler in its own process (as deployed) or in this one (the load generator's)")
     p.add_argument("--merged-copies", type=int, default=2,
@@ -410,6 +428,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="an earlier run's JSON: report each path's agreement with its score-path decisions")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "router_decision.json")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.reference is not None and not args.reference.is_file():
         p.error(f"--reference {args.reference}: no such file")
     if args.base is None:

@@ -85,7 +85,9 @@ class Sampler:
         self._slots = 0
         self.scorer: Scorer | None = None
         self.batcher = ScoreBatcher(self._score_locked, max_batch=settings.score_max_batch,
-                                    wait_s=settings.score_batch_wait_ms / 1000)
+                                    wait_s=settings.score_batch_wait_ms / 1000,
+                                    max_wait_s=max(settings.score_batch_max_wait_ms,
+                                                   settings.score_batch_wait_ms) / 1000)
         self.decoder: Decoder | None = None
 
     @property

@@ -44,7 +44,11 @@ class SamplerSettings(ServiceSettings):
         description="Most concurrent prompt_logprobs requests (one adapter) scored together in one forward")
     score_batch_wait_ms: float = Field(
         default=2.0, ge=0, le=1000,
-        description="How long a scoring batch waits for more requests before its forward (ms)")
+        description="How long a scoring batch waits for more requests before its forward (ms); it waits "
+                    "again while the last wait brought one, up to score_batch_max_wait_ms")
+    score_batch_max_wait_ms: float = Field(
+        default=10.0, ge=0, le=1000,
+        description="Longest a scoring batch waits in all for more requests (ms; at least score_batch_wait_ms)")
     score_max_forward_tokens: int = Field(default=4096, ge=16, le=1_048_576,
                                           description="Most new prompt tokens in one scoring forward")
     score_row_tokens: int = Field(default=192, ge=8, le=65_536,

@@ -1,0 +1,84 @@
+"""The scoring batcher's wait (services/sampler/batching.py): it gathers requests that keep arriving,
+a lone request waits once, and the cap holds — on a fake clock, so no real time passes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.sampler.batching import ScoreBatcher
+
+
+class Arrivals:
+    """A fake clock whose sleeps advance time and submit the requests due by then."""
+
+    def __init__(self, due_ms: list[float]) -> None:
+        self.now, self.due, self.sleeps = 0.0, sorted(due_ms), []
+        self.batcher: ScoreBatcher | None = None
+        self.tasks: list[asyncio.Task] = []
+
+    def clock(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(round(seconds * 1000, 6))
+        self.now += seconds
+        await self.arrive()
+
+    async def arrive(self) -> None:
+        """Submit every request due by now and let each join the queue."""
+        while self.due and self.due[0] <= self.now * 1000 + 1e-9:
+            name = f"t={self.due.pop(0)}"
+            self.tasks.append(asyncio.ensure_future(self.batcher.score(None, [[1]], [name])))
+        await asyncio.sleep(0)  # the new tasks run up to their wait
+
+
+async def batches(due_ms: list[float], *, wait_ms: float, max_wait_ms: float | None, max_batch: int = 32):
+    """The batch sizes the batcher runs for one request at t=0 and more at ``due_ms``, and its sleeps."""
+    sizes: list[int] = []
+    arrivals = Arrivals([0, *due_ms])
+
+    def run(entry, jobs):
+        sizes.append(len(jobs))
+        return [[j.ks[0]] for j in jobs]
+
+    arrivals.batcher = ScoreBatcher(run, max_batch=max_batch, wait_s=wait_ms / 1000,
+                                    max_wait_s=None if max_wait_ms is None else max_wait_ms / 1000,
+                                    clock=arrivals.clock, sleep=arrivals.sleep)
+    await arrivals.arrive()
+    while arrivals.due or not all(t.done() for t in arrivals.tasks):
+        await asyncio.gather(*arrivals.tasks)
+        if arrivals.due:  # the rest arrive after the forwards so far (which took no fake time)
+            arrivals.now = max(arrivals.now, arrivals.due[0] / 1000)
+            await arrivals.arrive()
+    assert not arrivals.due and sum(sizes) == len(arrivals.tasks)
+    assert all(t.result()[0].startswith("t=") for t in arrivals.tasks)
+    return sizes, arrivals.sleeps
+
+
+async def test_requests_that_keep_arriving_share_one_forward_up_to_the_cap():
+    due = [1, 3, 5, 7, 9, 11, 13]  # a caller every 2 ms, as answered callers come back
+    sizes, sleeps = await batches(due, wait_ms=2, max_wait_ms=10)
+    assert sizes[0] == 6 and sum(sizes) == 8  # t=0 .. t=9 by the 10 ms cap; the rest in later forwards
+    assert sum(sleeps[:5]) == pytest.approx(10)
+
+
+async def test_a_single_wait_when_nothing_else_arrives():
+    sizes, sleeps = await batches([], wait_ms=2, max_wait_ms=10)
+    assert sizes == [1] and sleeps == [2]
+
+
+async def test_without_a_longer_cap_the_wait_is_the_old_fixed_one():
+    sizes, sleeps = await batches([1, 3, 5], wait_ms=2, max_wait_ms=None)
+    assert sizes[0] == 2 and sleeps[0] == 2  # t=0 and t=1; t=3 and t=5 go to the next forward
+
+
+async def test_a_full_batch_does_not_wait():
+    sizes, _ = await batches([0, 0, 0], wait_ms=2, max_wait_ms=10, max_batch=2)
+    assert sizes[0] == 2
+
+
+def test_a_cap_below_the_wait_is_refused():
+    with pytest.raises(ValueError, match="max_wait_s"):
+        ScoreBatcher(lambda e, j: [], max_batch=4, wait_s=0.01, max_wait_s=0.005)
