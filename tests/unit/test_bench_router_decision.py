@@ -68,3 +68,25 @@ def test_queries_come_from_an_eval_report_or_a_jsonl(tmp_path):
     lines.write_text(json.dumps({"query": "a"}) + "\n\n" + json.dumps(
         {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]}) + "\n")
     assert load_queries(Path(lines)) == ["a", "b"]
+
+
+def test_rounds_repeat_the_queries_and_count_requests_per_forward(tmp_path):
+    """``--rounds 2``: each level measures the queries twice; decisions are compared on the first round."""
+    base = build_tiny_model(tmp_path / "tiny", context=4096)
+    out_path = tmp_path / "rounds.json"
+    main(["--base", str(base), "--decisions", "9", "--warmup", "1", "--concurrency", "3", "--paths",
+          "score,first-token", "--rounds", "2", "--progress", "0", "--out", str(out_path)])
+    out = json.loads(out_path.read_text())
+    assert out["rounds"] == 2 and out["settings"]["score_batch_max_wait_ms"] == 10.0
+    for r in out["results"].values():
+        assert r["n"] == 18 and r["forwards"] >= 1 and 1 <= r["requests_per_forward"] <= 3
+    assert out["agreement_first_token_vs_score"]["n"] == 9
+
+
+def test_rounds_that_would_bring_a_cached_query_back_are_refused(tmp_path):
+    import pytest
+
+    base = build_tiny_model(tmp_path / "tiny", context=4096)
+    with pytest.raises(SystemExit, match="prefix cache"):
+        main(["--base", str(base), "--decisions", "3", "--warmup", "1", "--concurrency", "1", "--paths", "score",
+              "--rounds", "2", "--progress", "0", "--out", str(tmp_path / "out.json")])
