@@ -97,3 +97,33 @@ def test_a_label_seen_once_does_not_switch_cross_validation_off() -> None:
     eps = _episodes() + [_episode(99, "a web only question", "web > aero = biomed")]
     router = linear.fit(eps, seed=0)
     assert router.labels["web"] == 1 and not math.isnan(router.cv_accuracy) and router.c in linear.C_GRID
+
+
+@pytest.mark.parametrize("labels", [("aero", "biomed"), ("aero", "biomed", "web")])
+def test_the_compiled_scorer_is_the_pipelines_predict_proba(labels, tmp_path) -> None:
+    """Two classes (one coefficient row, a logistic) and three (a softmax), fitted and from the artifact;
+    queries with unknown n-grams only, none at all, accents, repeats."""
+    import numpy as np
+
+    eps = _episodes()
+    if "web" in labels:
+        eps += [_episode(100 + k, f"general news item {k}", "web > aero = biomed") for k in range(6)]
+    fitted = linear.fit(eps, seed=0)
+    assert fitted.classes == labels
+    loaded = linear.from_artifact(linear.to_artifact(fitted))
+    queries = ["shock wave over a supersonic wing", "", "   ", "qqqq zzzz", "Ωμέγα ünïcode wïng",
+               "wing wing wing wing flow", "protein in heart cells study 3", "general news"]
+    for router in (fitted, loaded):
+        compiled = linear.CompiledScorer(router.pipeline)
+        for q in queries:
+            want = router.pipeline.predict_proba([q])[0]
+            assert np.allclose(compiled.proba(q), want, rtol=0, atol=1e-12), q
+            got = router.scores(q, labels)
+            assert all(math.isclose(got[c], math.log(p), abs_tol=1e-9) for c, p in zip(router.classes, want))
+
+
+def test_the_compiled_scorer_refuses_a_vectorizer_it_does_not_compute() -> None:
+    router = linear.fit(_episodes(), seed=0)
+    router.pipeline.steps[0][1].transformer_list[0][1].set_params(norm="l1")
+    with pytest.raises(linear.LinearRouterError, match="norm='l1'"):
+        linear.CompiledScorer(router.pipeline)
