@@ -99,11 +99,13 @@ def cpu_s(pid: int | None = None) -> float:
 
 
 def profiler(pid: int, out: Path) -> subprocess.Popen:
-    """py-spy sampling the gateway process (every thread, native frames off) into a flame graph SVG."""
+    """py-spy sampling the gateway process (every thread, native frames off) into a flame graph SVG, or
+    into collapsed stacks (one ``frame;frame;... count`` line each) when ``out`` ends in ``.txt``."""
     if shutil.which("py-spy") is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", "flamegraph",
+    fmt = "raw" if out.suffix == ".txt" else "flamegraph"
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format", fmt,
                              "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL)
 
 
