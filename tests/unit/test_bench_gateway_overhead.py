@@ -47,3 +47,15 @@ def test_a_short_run_measures_workers_and_routed_mode_with_the_decision_apart(tm
     assert routed["router_decisions"] >= 20 and 0 < routed["router_p50_ms"] <= routed["router_p99_ms"]
     assert routed["routed_requests"]["router"] >= 20 and routed["routed_requests"].get("fallback", 0) == 0
     assert routed["trace_bytes_mean"] < rows["fanroute gateway (in-memory bus)"]["trace_bytes_mean"]  # one answer
+
+
+def test_the_profile_is_a_flame_graph_or_collapsed_stacks_by_its_suffix(tmp_path, monkeypatch):
+    import bench.gateway_overhead as go
+
+    calls = []
+    monkeypatch.setattr(go.shutil, "which", lambda name: "/usr/bin/py-spy")
+    monkeypatch.setattr(go.subprocess, "Popen", lambda argv, **kw: calls.append(argv))
+    go.profiler(123, tmp_path / "p.svg")
+    go.profiler(123, tmp_path / "p.txt")
+    assert [argv[argv.index("--format") + 1] for argv in calls] == ["flamegraph", "raw"]
+    assert all(argv[:4] == ["py-spy", "record", "--pid", "123"] for argv in calls)
