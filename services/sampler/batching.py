@@ -45,12 +45,14 @@ class ScoreBatcher:
 
     def __init__(self, run: Runner, *, max_batch: int, wait_s: float, max_wait_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                 on_wait: Callable[[float], None] = lambda seconds: None) -> None:
         max_wait_s = wait_s if max_wait_s is None else max_wait_s
         if max_batch < 1 or wait_s < 0 or max_wait_s < wait_s:
             raise ValueError("max_batch must be >= 1 and 0 <= wait_s <= max_wait_s")
         self.run, self.max_batch, self.wait_s, self.max_wait_s = run, max_batch, wait_s, max_wait_s
         self._clock, self._sleep = clock, sleep  # injectable: tests drive arrivals on a fake clock
+        self.on_wait = on_wait  # each batch's gathering time, in seconds (the sampler's histogram)
         self._pending: list[ScoreJob] = []
         self._task: asyncio.Task | None = None
 
@@ -70,7 +72,9 @@ class ScoreBatcher:
         batch: list[ScoreJob] = []
         try:
             while self._pending:
+                started = self._clock()
                 await self._gather()
+                self.on_wait(self._clock() - started)
                 self._pending = [j for j in self._pending if not j.future.done()]  # gone: cancelled
                 if not self._pending:
                     break

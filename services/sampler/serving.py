@@ -64,6 +64,10 @@ class SamplerMetrics:
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=self.registry)
         self.score_seconds = Histogram("fanroute_sampler_score_seconds", "Time of one scoring batch",
                                        registry=self.registry)
+        self.score_batch_wait = Histogram(
+            "fanroute_sampler_score_batch_wait_seconds",
+            "How long a scoring batch waited for more requests before its forward",
+            buckets=(0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.02, 0.05, 0.1), registry=self.registry)
         self.score_forwards = Counter("fanroute_sampler_score_forwards", "Scoring forwards by prefix-cache outcome",
                                       ["cache"], registry=self.registry)
 
@@ -87,7 +91,8 @@ class Sampler:
         self.batcher = ScoreBatcher(self._score_locked, max_batch=settings.score_max_batch,
                                     wait_s=settings.score_batch_wait_ms / 1000,
                                     max_wait_s=max(settings.score_batch_max_wait_ms,
-                                                   settings.score_batch_wait_ms) / 1000)
+                                                   settings.score_batch_wait_ms) / 1000,
+                                    on_wait=self.metrics.score_batch_wait.observe)
         self.decoder: Decoder | None = None
 
     @property

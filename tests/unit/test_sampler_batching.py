@@ -43,9 +43,10 @@ async def batches(due_ms: list[float], *, wait_ms: float, max_wait_ms: float | N
         sizes.append(len(jobs))
         return [[j.ks[0]] for j in jobs]
 
+    waits: list[float] = []
     arrivals.batcher = ScoreBatcher(run, max_batch=max_batch, wait_s=wait_ms / 1000,
                                     max_wait_s=None if max_wait_ms is None else max_wait_ms / 1000,
-                                    clock=arrivals.clock, sleep=arrivals.sleep)
+                                    clock=arrivals.clock, sleep=arrivals.sleep, on_wait=waits.append)
     await arrivals.arrive()
     while arrivals.due or not all(t.done() for t in arrivals.tasks):
         await asyncio.gather(*arrivals.tasks)
@@ -54,6 +55,8 @@ async def batches(due_ms: list[float], *, wait_ms: float, max_wait_ms: float | N
             await arrivals.arrive()
     assert not arrivals.due and sum(sizes) == len(arrivals.tasks)
     assert all(t.result()[0].startswith("t=") for t in arrivals.tasks)
+    assert len(waits) == len(sizes)  # one gathering time per batch, what the sampler's histogram observes
+    assert sum(waits) == pytest.approx(sum(arrivals.sleeps) / 1000)
     return sizes, arrivals.sleeps
 
 

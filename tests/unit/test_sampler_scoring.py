@@ -106,6 +106,8 @@ async def test_two_concurrent_requests_are_scored_in_one_batch(harness, tiny):
     assert harness.metric("fanroute_sampler_score_batch_requests_count") == 1
     assert harness.metric("fanroute_sampler_score_batch_requests_sum") == 2
     assert harness.metric("fanroute_sampler_score_forwards_total", cache="miss") == 1  # one forward for both
+    assert harness.metric("fanroute_sampler_score_batch_wait_seconds_count") == 1
+    assert 0.04 <= harness.metric("fanroute_sampler_score_batch_wait_seconds_sum") < 5  # ≈ score_batch_wait_ms
     for choice in a["choices"] + b["choices"]:
         assert_prompt_logprobs_match(harness, None, choice, 1)
 
