@@ -206,7 +206,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                            "warmup": args.warmup,
                            "concurrency": levels, "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(),
                            "settings": {k: getattr(settings, k) for k in (
-                               "score_max_batch", "score_batch_wait_ms", "score_batch_max_wait_ms", "score_max_forward_tokens",
+                               "score_max_batch", "score_batch_wait_ms", "score_batch_max_wait_ms",
+                               "score_max_forward_tokens",
                                "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens", "merged_copies",
                                "fused_layers")}}
     async with sampler_server(settings, args.server) as (base, metric, tok):
@@ -409,15 +410,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "from (default: sample_queries)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--batch-wait-ms", type=float, default=2.0, help="the sampler's score_batch_wait_ms")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="measure each level over the queries this many times (decisions compared on the first); "
-                        "the sampler's prefix cache holds 8 prompts, so a query is never still cached when it returns")
-    p.add_argument("--batch-max-wait-ms", type=float, default=10.0,
+    from services.sampler.settings import SamplerSettings
+    sampler_default = {name: f.default for name, f in SamplerSettings.model_fields.items()}
+    p.add_argument("--batch-wait-ms", type=float, default=sampler_default["score_batch_wait_ms"], help="the sampler's")
+    p.add_argument("--rounds", type=int, default=1, help="measure each level over the queries this many times "
+                   "(decisions compared on the first; refused where a query could still be in the prefix cache)")
+    p.add_argument("--batch-max-wait-ms", type=float, default=sampler_default["score_batch_max_wait_ms"],
                    help="the sampler's score_batch_max_wait_ms (waits again while requests keep arriving)")
     p.add_argument("--server", choices=["process", "inline"], default="process",
                    help="the sampler in its own process (as deployed) or in this one (the load generator's)")
-    p.add_argument("--merged-copies", type=int, default=2,
+    p.add_argument("--merged-copies", type=int, default=sampler_default["merged_copies"],
                    help="the sampler's merged_copies (0: score router@1 through peft, as before merged copies)")
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=True,
                    help="the sampler's fused_layers: a bf16 merged copy's Llama layers fused (services.sampler.fused)")
