@@ -193,7 +193,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     names = [p.name for p in market(args.market)]
     settings = SamplerSettings(base_model=args.base, served_model_name="base", threads=args.threads,
                                dtype=args.dtype, consume_adapters=False, score_batch_wait_ms=args.batch_wait_ms,
-                               score_batch_max_wait_ms=max(args.batch_max_wait_ms, args.batch_wait_ms),
+                               score_batch_max_wait_ms=args.batch_max_wait_ms,
                                merged_copies=args.merged_copies, fused_layers=args.fused_layers,
                                adapter_cache_dir=Path(tempfile.mkdtemp(prefix="bench-rd-cache-")),
                                kafka=KafkaSettings(bootstrap_servers="memory://"))

@@ -82,7 +82,7 @@ class CompiledScorer:
 
     scikit-learn's pipeline builds sparse matrices and validates its input at every step, ≈ 1 ms for
     one query; this is the same arithmetic on the few hundred n-grams a query has
-    (``tests/unit/test_linear_router.py`` checks it equals ``predict_proba``)."""
+    (``tests/unit/test_router_linear.py`` checks it equals ``predict_proba``)."""
 
     def __init__(self, pipeline: Any) -> None:
         import numpy as np

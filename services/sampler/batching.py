@@ -4,9 +4,9 @@ A request to score prompts joins a queue and waits for its result. One drain tas
 loop) takes the oldest request's adapter, waits ``wait_s`` for more requests — and again while each
 wait brought one, up to ``max_wait_s`` in all (it stops waiting once ``max_batch`` are queued) — then
 hands every queued request for that adapter (at most ``max_batch``) to ``run`` in a worker thread,
-where the model runs once for all of them under the engine's lock (so scoring never overlaps a generation or an adapter load). Requests that arrive
-during that forward are queued for the next one. Requests for another adapter wait their turn:
-one adapter is active per forward.
+where the model runs once for all of them under the engine's lock (so scoring never overlaps a
+generation or an adapter load). Requests that arrive during that forward are queued for the next
+one. Requests for another adapter wait their turn: one adapter is active per forward.
 
 Why wait again while requests keep coming: a forward has a floor (reading every weight, ≈ 37 ms for
 SmolLM2 in bf16 on 2 cores), and the callers a forward answered send their next requests over a few

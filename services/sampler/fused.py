@@ -22,15 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from services.sampler.merged import PackedLinear, pack_weight, packed_linear
+
 BINARY = torch.ops.mkldnn._linear_pointwise.binary if hasattr(torch.ops.mkldnn, "_linear_pointwise") else None
-
-
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-
-
-def _linear(x: torch.Tensor, packed: torch.Tensor, attr: str = "none") -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, attr, [None], "")
 
 
 def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,11 +70,11 @@ class FusedLlamaLayer(torch.nn.Module):
         def folded(linear: torch.nn.Linear, w: torch.Tensor) -> torch.Tensor:
             return (linear.weight.detach().float() * w).to(linear.weight.dtype)
 
-        self.qkv = _pack(torch.cat([folded(attn.q_proj, w_in), folded(attn.k_proj, w_in),
+        self.qkv = pack_weight(torch.cat([folded(attn.q_proj, w_in), folded(attn.k_proj, w_in),
                                     folded(attn.v_proj, w_in)]))
-        self.o = _pack(attn.o_proj.weight)
-        self.gate, self.up = _pack(folded(mlp.gate_proj, w_post)), _pack(folded(mlp.up_proj, w_post))
-        self.down = _pack(mlp.down_proj.weight)
+        self.o = pack_weight(attn.o_proj.weight)
+        self.gate, self.up = pack_weight(folded(mlp.gate_proj, w_post)), pack_weight(folded(mlp.up_proj, w_post))
+        self.down = pack_weight(mlp.down_proj.weight)
         self._rope = rope
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -88,7 +82,7 @@ class FusedLlamaLayer(torch.nn.Module):
                 cache: Any = None, past_key_values: Any = None, **_: Any) -> torch.Tensor:
         cache = cache if cache is not None else past_key_values
         b, length, _d = hidden_states.shape
-        qkv = _linear(rms_scale(hidden_states, self.eps_in), self.qkv).view(b, length, -1, self.head_dim)
+        qkv = packed_linear(rms_scale(hidden_states, self.eps_in), self.qkv).view(b, length, -1, self.head_dim)
         cos, sin = self._rope.tables(*position_embeddings)
         qk = qkv[:, :, :self.heads + self.kv_heads]
         qk = torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
@@ -104,7 +98,7 @@ class FusedLlamaLayer(torch.nn.Module):
         attn = attn.transpose(1, 2).reshape(b, length, -1)
         hidden_states = BINARY(attn, hidden_states, self.o, None, "add")  # o_proj(attn) + residual
         h = rms_scale(hidden_states, self.eps_post)
-        gated = BINARY(h, _linear(h, self.gate, "swish"), self.up, None, "mul")  # up(h) · silu(gate(h))
+        gated = BINARY(h, packed_linear(h, self.gate, attr="swish"), self.up, None, "mul")  # up(h) · silu(gate(h))
         return BINARY(gated, hidden_states, self.down, None, "add")  # down(·) + residual
 
 
@@ -136,8 +130,6 @@ def fusable(model: Any) -> bool:
 def fuse_llama(model: Any) -> int:
     """Replace ``model``'s decoder layers with :class:`FusedLlamaLayer` and fold the final norm's
     weight into a packed output layer, in place; the number of layers fused (0: not :func:`fusable`)."""
-    from services.sampler.merged import PackedLinear
-
     if not fusable(model):
         return 0
     decoder, rope = model.get_decoder(), _Rope()

@@ -32,17 +32,28 @@ def packable(dtype: torch.dtype) -> bool:
             and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (bf16, [out, in]) laid out once for oneDNN's linear kernels."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
+                  attr: str = "none") -> torch.Tensor:
+    """``x @ W.T (+ bias)`` with a :func:`pack_weight` weight; ``attr`` fuses a oneDNN post-op ("swish", ...)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, [None], "")
+
+
 class PackedLinear(torch.nn.Module):
     """A bf16 ``nn.Linear`` whose weight oneDNN laid out once (the same products, no per-call reorder)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.packed = pack_weight(linear.weight)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [None], "")
+        return packed_linear(x, self.packed, self.bias)
 
 
 def _set(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:

@@ -90,8 +90,7 @@ class Sampler:
         self.scorer: Scorer | None = None
         self.batcher = ScoreBatcher(self._score_locked, max_batch=settings.score_max_batch,
                                     wait_s=settings.score_batch_wait_ms / 1000,
-                                    max_wait_s=max(settings.score_batch_max_wait_ms,
-                                                   settings.score_batch_wait_ms) / 1000,
+                                    max_wait_s=settings.score_batch_max_wait_s,
                                     on_wait=self.metrics.score_batch_wait.observe)
         self.decoder: Decoder | None = None
 

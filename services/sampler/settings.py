@@ -96,6 +96,11 @@ class SamplerSettings(ServiceSettings):
         default=(), description="AdapterPublished.base_model values to load; empty = every announcement")
 
     @property
+    def score_batch_max_wait_s(self) -> float:
+        """The batcher's cap on waiting, in seconds: never below ``score_batch_wait_ms``."""
+        return max(self.score_batch_max_wait_ms, self.score_batch_wait_ms) / 1000
+
+    @property
     def consumer_group(self) -> str:
         """``group_id``, or ``fanroute-sampler.<hostname>`` so that each replica loads every version."""
         return self.group_id or f"fanroute-sampler.{socket.gethostname()}"

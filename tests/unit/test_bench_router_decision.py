@@ -90,3 +90,11 @@ def test_rounds_that_would_bring_a_cached_query_back_are_refused(tmp_path):
     with pytest.raises(SystemExit, match="prefix cache"):
         main(["--base", str(base), "--decisions", "3", "--warmup", "1", "--concurrency", "1", "--paths", "score",
               "--rounds", "2", "--progress", "0", "--out", str(tmp_path / "out.json")])
+
+
+def test_zero_rounds_are_refused_before_any_work(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--rounds", "0", "--out", str(tmp_path / "out.json")])
+    assert "--rounds" in capsys.readouterr().err and not (tmp_path / "out.json").exists()

@@ -85,3 +85,26 @@ async def test_a_full_batch_does_not_wait():
 def test_a_cap_below_the_wait_is_refused():
     with pytest.raises(ValueError, match="max_wait_s"):
         ScoreBatcher(lambda e, j: [], max_batch=4, wait_s=0.01, max_wait_s=0.005)
+
+
+@pytest.mark.parametrize(("env", "value"), [("FANROUTE_SCORE_BATCH_MAX_WAIT_MS", "soon"),
+                                            ("FANROUTE_SCORE_BATCH_MAX_WAIT_MS", "-1"),
+                                            ("FANROUTE_SCORE_BATCH_MAX_WAIT_MS", "5000"),
+                                            ("FANROUTE_FUSED_LAYERS", "maybe")])
+def test_a_bad_batching_or_fusion_setting_is_refused_by_name(monkeypatch, env, value):
+    from pydantic import ValidationError
+
+    from services.sampler.settings import SamplerSettings
+
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ValidationError, match=env.removeprefix("FANROUTE_").lower()):
+        SamplerSettings()
+
+
+def test_the_cap_is_never_below_the_wait(monkeypatch):
+    from services.sampler.settings import SamplerSettings
+
+    monkeypatch.setenv("FANROUTE_SCORE_BATCH_WAIT_MS", "50")
+    assert SamplerSettings().score_batch_max_wait_s == pytest.approx(0.05)  # the default 10 ms cap is lifted
+    monkeypatch.setenv("FANROUTE_SCORE_BATCH_MAX_WAIT_MS", "80")
+    assert SamplerSettings().score_batch_max_wait_s == pytest.approx(0.08)
