@@ -85,6 +85,7 @@ class Engine:
         self.prefix_cache: Any = None  # a scoring.PrefixCache, when the sampler scores prompts
         self._active: tuple[str | None] | None = None  # (slot,) the forward passes go through; None: unknown
         self._merged: OrderedDict[str | None, Any] = OrderedDict()  # slot → merged copy for scoring (merged.py)
+        self._epoch = 0  # bumped by every adapter load and unload: a copy built across one may be torn
         self._token_texts: dict[int, str] = {}
         self._prefills: OrderedDict[tuple[str | None, tuple[int, ...]], list[list[Any]]] = OrderedDict()
         self.prefill_tokens_reused = 0
@@ -170,6 +171,7 @@ class Engine:
         """Drop what the prefix cache holds for ``slot`` and its merged copy (its weights are about to
         change) and forget which slot is active (peft switches on loads and deletes)."""
         self._active = None
+        self._epoch += 1
         for key in [k for k in self._prefills if k[0] == slot]:
             del self._prefills[key]
         self.unmerge(slot)
@@ -182,22 +184,54 @@ class Engine:
         """The slots scored through a merged copy, oldest first."""
         return list(self._merged)
 
-    def merge(self, slot: str | None, *, keep: int = 1, fuse: bool = True) -> None:
+    def merge(self, slot: str | None, *, keep: int = 1, fuse: bool = True, attempts: int = 3) -> bool:
         """Score ``slot`` (None: the base) through a copy with its LoRA folded in and its linear weights
         packed (:mod:`services.sampler.merged`; ``fuse``: its Llama layers fused where they can be,
-        :mod:`services.sampler.fused`); the oldest copies beyond ``keep`` are dropped."""
+        :mod:`services.sampler.fused`); the oldest copies beyond ``keep`` are dropped. False when the slot
+        was unloaded while its copy was being built (nothing installed).
+
+        The copy is built *outside* the engine's lock — 0.3–0.6 s on a quiet machine, seconds under load,
+        during which scoring and generation go on (``slot`` through peft) — and installed under it. A
+        load or unload in the meantime may have torn the deep copy, so it is then built again; after
+        ``attempts`` such races it is built under the lock."""
         from services.sampler.merged import merged_copy
 
-        if slot is not None and slot not in self.slots:
-            raise AdapterError(f"adapter slot {slot!r} is not loaded")
         t0 = time.perf_counter()
-        with self.lock, warnings.catch_warnings():
+        for _ in range(max(attempts, 1)):
+            with self.lock:
+                if slot is not None and slot not in self.slots:
+                    raise AdapterError(f"adapter slot {slot!r} is not loaded")
+                epoch = self._epoch
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    copy = merged_copy(self.model, slot, fuse=fuse)
+            except Exception:
+                with self.lock:
+                    if self._epoch == epoch:
+                        raise  # a failure of its own, not a race with a load
+                continue
+            with self.lock:
+                if self._epoch == epoch:
+                    self._install(slot, copy, keep, time.perf_counter() - t0)
+                    return True
+                if slot is not None and slot not in self.slots:
+                    return False
+            log.info("slot %s: an adapter load or unload raced its merged copy; building it again", slot)
+        with self.lock, warnings.catch_warnings():  # loads keep racing it: build it where none can
             warnings.simplefilter("ignore")
-            self.unmerge(slot)
-            self._merged[slot] = merged_copy(self.model, slot, fuse=fuse)
-            while len(self._merged) > max(keep, 1):
-                self.unmerge(next(iter(self._merged)))
-        log.info("slot %s merged for scoring in %.2fs", slot, time.perf_counter() - t0)
+            if slot is not None and slot not in self.slots:
+                return False
+            self._install(slot, merged_copy(self.model, slot, fuse=fuse), keep, time.perf_counter() - t0)
+        return True
+
+    def _install(self, slot: str | None, copy: Any, keep: int, seconds: float) -> None:
+        """Put ``slot``'s new copy in place of its old one (hold the lock)."""
+        self.unmerge(slot)
+        self._merged[slot] = copy
+        while len(self._merged) > max(keep, 1):
+            self.unmerge(next(iter(self._merged)))
+        log.info("slot %s merged for scoring in %.2fs", slot, seconds)
 
     def unmerge(self, slot: str | None) -> None:
         """Drop ``slot``'s merged copy and what the prefix cache holds from it (no-op without one)."""

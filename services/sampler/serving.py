@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -87,6 +88,8 @@ class Sampler:
                                     accept_base_models=settings.accept_base_models)
         self.metrics = SamplerMetrics()
         self._slots = 0
+        self._to_merge: list[tuple[str, str]] = []  # (name, slot) loaded but not yet given a merged copy
+        self._merging = threading.Lock()  # one copy built at a time (each is a copy of the weights)
         self.scorer: Scorer | None = None
         self.batcher = ScoreBatcher(self._score_locked, max_batch=settings.score_max_batch,
                                     wait_s=settings.score_batch_wait_ms / 1000,
@@ -138,14 +141,17 @@ class Sampler:
                 self._evict(old)  # the new entry takes its name (and keeps the aliases to it)
             self.registry.add(entry)
             try:
-                self._resident_slot(entry)
+                self._resident_slot(entry, background=False)
             except Exception:
                 self.registry.remove(entry.name)
                 self.metrics.adapter_events.labels("refused").inc()
                 raise
+        self._merge_pending()  # outside the engine's lock: requests go on while the copy is built
 
-    def _resident_slot(self, entry: AdapterEntry) -> str:
-        """``entry``'s slot, loading it (and evicting the least recently used) if needed; hold the lock."""
+    def _resident_slot(self, entry: AdapterEntry, *, background: bool = True) -> str:
+        """``entry``'s slot, loading it (and evicting the least recently used) if needed; hold the lock.
+        A slot loaded here that gets a merged copy is queued for one, built by a background thread
+        (``background``) or by the caller once it has released the lock."""
         if self.registry.get(entry.name) is not entry:
             raise AdapterUnavailable(f"The model `{entry.name}` was unloaded")
         if not self.registry.is_resident(entry.name) or entry.slot is None:
@@ -160,21 +166,36 @@ class Sampler:
             entry.slot = slot
             self.metrics.adapter_events.labels("loaded").inc()
             if self.settings.merged_copies and entry.model_id in self.settings.merged_models:
-                self._merge(entry.name, slot)
+                self._to_merge.append((entry.name, slot))
+                if background:
+                    threading.Thread(target=self._merge_pending, name="sampler-merge", daemon=True).start()
         self.registry.mark_resident(entry.name)
         self.metrics.resident.set(len(self.registry.resident()))
         return entry.slot
+
+    def _merge_pending(self) -> None:
+        """Build the queued merged copies, one at a time, without holding the engine's lock."""
+        with self._merging:
+            while True:
+                with self.eng.lock:
+                    if not self._to_merge:
+                        return
+                    name, slot = self._to_merge.pop(0)
+                    if slot not in self.eng.slots:  # evicted before its copy was built
+                        continue
+                self._merge(name, slot)
 
     def _merge(self, name: str, slot: str) -> None:
         """Score ``slot`` through a merged copy; one that cannot be built is logged and counted, and the
         version is scored through peft (the copy only saves time)."""
         try:
-            self.eng.merge(slot, keep=self.settings.merged_copies, fuse=self.settings.fused_layers)
+            built = self.eng.merge(slot, keep=self.settings.merged_copies, fuse=self.settings.fused_layers)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the copy: serve it unmerged
             self.metrics.adapter_events.labels("merge_failed").inc()
             log.warning("%s is scored through peft: its merged copy failed: %s: %s", name, type(exc).__name__, exc)
         else:
-            self.metrics.adapter_events.labels("merged").inc()
+            if built:
+                self.metrics.adapter_events.labels("merged").inc()
         self.metrics.merged.set(len(self.eng.merged))
 
     def _evict(self, entry: AdapterEntry) -> None:

@@ -104,7 +104,7 @@ async def test_a_copy_that_cannot_be_built_leaves_the_version_served_through_pef
     version still loads and answers, through peft, and the failure is counted."""
     import services.sampler.merged as merged
 
-    def no_memory(model, slot):
+    def no_memory(model, slot, **_):
         raise MemoryError("no room for a copy")
 
     monkeypatch.setattr(merged, "merged_copy", no_memory)
@@ -123,6 +123,81 @@ async def test_the_copies_are_counted(harness, tiny):
     assert harness.metric("fanroute_sampler_adapter_events_total", event="merged") == 1
     assert (await harness.client.post("/v1/unload_lora_adapter", json={"lora_name": "router@1"})).status_code == 200
     assert harness.metric("fanroute_sampler_merged_copies") == 0
+
+
+async def test_the_copy_is_built_while_the_version_is_served(harness, tiny, monkeypatch):
+    """Building a copy takes seconds under load; the engine's lock is not held meanwhile, so the version
+    being merged answers (through peft, numbers checked) while its copy is still being built."""
+    import asyncio
+    import threading
+
+    import services.sampler.merged as merged
+
+    building, release = threading.Event(), threading.Event()
+    real = merged.merged_copy
+
+    def slow(model, slot, **kw):
+        building.set()
+        assert release.wait(30), "the test never released the build"
+        return real(model, slot, **kw)
+
+    monkeypatch.setattr(merged, "merged_copy", slow)
+    loading = asyncio.create_task(load(harness, "router@1", tiny["a"]))
+    assert await asyncio.to_thread(building.wait, 30)
+    eng = harness.sampler.eng
+    assert eng.merged == []
+    body = await harness.score(harness.router_prompts("what is a cell?"), k=1, model="router@1")
+    for choice in body["choices"]:
+        assert_prompt_logprobs_match(harness, "a", choice, 1)
+    release.set()
+    await loading
+    assert eng.merged == [harness.sampler.registry.get("router@1").slot]
+
+
+def test_a_load_or_unload_during_the_build_is_not_missed(tiny, monkeypatch):
+    """A copy built across an adapter load may be torn: it is thrown away and built again; a slot
+    unloaded during its build gets no copy."""
+    import services.sampler.merged as merged
+
+    eng, real, calls = Engine(tiny["base"]), merged.merged_copy, []
+
+    def racing(then):
+        def build(model, slot, **kw):
+            calls.append(slot)
+            if len(calls) == 1:
+                then()
+            return real(model, slot, **kw)
+        return build
+
+    eng.load_adapter("s", tiny["a"])
+    monkeypatch.setattr(merged, "merged_copy", racing(lambda: eng.load_adapter("t", tiny["a"])))
+    assert eng.merge("s") is True and calls == ["s", "s"] and eng.merged == ["s"]
+    model, _ = eng.scoring_model("s")
+    assert not any(hasattr(m, "lora_A") for m in model.modules())  # the rebuilt copy holds no peft layer
+
+    calls.clear()
+    eng.load_adapter("u", tiny["a"])
+    monkeypatch.setattr(merged, "merged_copy", racing(lambda: eng.unload_adapter("u")))
+    assert eng.merge("u", keep=2) is False and eng.merged == ["s"]
+
+
+@pytest.mark.parametrize("harness", [{"max_resident_adapters": 1}], indirect=True)
+async def test_a_version_loaded_again_by_a_request_gets_its_copy_in_the_background(harness, tiny):
+    """Evicted, then asked for: the request loads it again and is answered through peft; its copy is
+    built by a background thread, not on the request's time."""
+    import threading
+
+    await load(harness, "router@1", tiny["a"])
+    await load(harness, "lora-b", tiny["a"])  # evicts router@1 and its copy
+    eng = harness.sampler.eng
+    assert eng.merged == []
+    body = await harness.score(harness.router_prompts("what is a wing?"), k=1, model="router@1")
+    for choice in body["choices"]:
+        assert_prompt_logprobs_match(harness, "a", choice, 1)
+    for thread in [t for t in threading.enumerate() if t.name == "sampler-merge"]:
+        thread.join(60)
+    assert eng.merged == [harness.sampler.registry.get("router@1").slot]
+    assert harness.metric("fanroute_sampler_merged_copies") == 1
 
 
 def test_a_bad_model_id_in_merged_models_is_refused_by_name(tmp_path):
