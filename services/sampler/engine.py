@@ -193,11 +193,11 @@ class Engine:
         The copy is built *outside* the engine's lock — 0.3–0.6 s on a quiet machine, seconds under load,
         during which scoring and generation go on (``slot`` through peft) — and installed under it. A
         load or unload in the meantime may have torn the deep copy, so it is then built again; after
-        ``attempts`` such races it is built under the lock."""
+        ``attempts`` such races (0: at once) it is built under the lock."""
         from services.sampler.merged import merged_copy
 
         t0 = time.perf_counter()
-        for _ in range(max(attempts, 1)):
+        for _ in range(attempts):
             with self.lock:
                 if slot is not None and slot not in self.slots:
                     raise AdapterError(f"adapter slot {slot!r} is not loaded")

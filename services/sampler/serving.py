@@ -189,7 +189,8 @@ class Sampler:
         """Score ``slot`` through a merged copy; one that cannot be built is logged and counted, and the
         version is scored through peft (the copy only saves time)."""
         try:
-            built = self.eng.merge(slot, keep=self.settings.merged_copies, fuse=self.settings.fused_layers)
+            built = self.eng.merge(slot, keep=self.settings.merged_copies, fuse=self.settings.fused_layers,
+                                   attempts=self.settings.merged_build_attempts)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the copy: serve it unmerged
             self.metrics.adapter_events.labels("merge_failed").inc()
             log.warning("%s is scored through peft: its merged copy failed: %s: %s", name, type(exc).__name__, exc)

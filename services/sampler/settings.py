@@ -70,6 +70,11 @@ class SamplerSettings(ServiceSettings):
                                description="In a bf16 merged copy of a Llama model, run each decoder layer as "
                                            "four oneDNN matmuls with its norm, rotary, SiLU, gate and residual "
                                            "work fused in (services.sampler.fused); false: the plain layers")
+    merged_build_attempts: int = Field(default=3, ge=0, le=16,
+                                       description="Tries at building a merged copy outside the engine's lock "
+                                                   "(an adapter load racing one makes it build again; then it is "
+                                                   "built under the lock); 0 = always under the lock, which stops "
+                                                   "scoring for the build (seconds under load)")
     max_body_bytes: int = Field(default=4_000_000, ge=1024, le=100_000_000, description="Largest request body")
     max_resident_adapters: int = Field(default=4, ge=1, le=256,
                                        description="LoRA adapters held in memory at once (vLLM: --max-loras)")
