@@ -184,19 +184,22 @@ class Engine:
         """The slots scored through a merged copy, oldest first."""
         return list(self._merged)
 
-    def merge(self, slot: str | None, *, keep: int = 1, fuse: bool = True, attempts: int = 3) -> bool:
+    def merge(self, slot: str | None, *, keep: int = 1, fuse: bool = True, attempts: int = 3,
+              dtype: str = "same") -> bool:
         """Score ``slot`` (None: the base) through a copy with its LoRA folded in and its linear weights
         packed (:mod:`services.sampler.merged`; ``fuse``: its Llama layers fused where they can be,
-        :mod:`services.sampler.fused`); the oldest copies beyond ``keep`` are dropped. False when the slot
+        :mod:`services.sampler.fused`; ``dtype``: :func:`~services.sampler.merged.scoring_dtype`'s choice);
+        the oldest copies beyond ``keep`` are dropped. False when the slot
         was unloaded while its copy was being built (nothing installed).
 
         The copy is built *outside* the engine's lock — 0.3–0.6 s on a quiet machine, seconds under load,
         during which scoring and generation go on (``slot`` through peft) — and installed under it. A
         load or unload in the meantime may have torn the deep copy, so it is then built again; after
         ``attempts`` such races (0: at once) it is built under the lock."""
-        from services.sampler.merged import merged_copy
+        from services.sampler.merged import merged_copy, scoring_dtype
 
         t0 = time.perf_counter()
+        want = scoring_dtype(dtype, self.model.dtype)
         for _ in range(attempts):
             with self.lock:
                 if slot is not None and slot not in self.slots:
@@ -205,7 +208,7 @@ class Engine:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    copy = merged_copy(self.model, slot, fuse=fuse)
+                    copy = merged_copy(self.model, slot, fuse=fuse, dtype=want)
             except Exception:
                 with self.lock:
                     if self._epoch == epoch:
@@ -222,7 +225,8 @@ class Engine:
             warnings.simplefilter("ignore")
             if slot is not None and slot not in self.slots:
                 return False
-            self._install(slot, merged_copy(self.model, slot, fuse=fuse), keep, time.perf_counter() - t0)
+            self._install(slot, merged_copy(self.model, slot, fuse=fuse, dtype=want), keep,
+                          time.perf_counter() - t0)
         return True
 
     def _install(self, slot: str | None, copy: Any, keep: int, seconds: float) -> None:

@@ -190,7 +190,7 @@ class Sampler:
         version is scored through peft (the copy only saves time)."""
         try:
             built = self.eng.merge(slot, keep=self.settings.merged_copies, fuse=self.settings.fused_layers,
-                                   attempts=self.settings.merged_build_attempts)
+                                   attempts=self.settings.merged_build_attempts, dtype=self.settings.merged_dtype)
         except Exception as exc:  # noqa: BLE001 - e.g. out of memory for the copy: serve it unmerged
             self.metrics.adapter_events.labels("merge_failed").inc()
             log.warning("%s is scored through peft: its merged copy failed: %s: %s", name, type(exc).__name__, exc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -70,6 +70,11 @@ class SamplerSettings(ServiceSettings):
                                description="In a bf16 merged copy of a Llama model, run each decoder layer as "
                                            "four oneDNN matmuls with its norm, rotary, SiLU, gate and residual "
                                            "work fused in (services.sampler.fused); false: the plain layers")
+    merged_dtype: Literal["same", "auto", "float32", "bfloat16"] = Field(
+        default="same",
+        description="Weights dtype of the merged scoring copies: same = the engine's (dtype); auto = bfloat16 on "
+                    "a CPU with AMX (where bf16 matmuls pay), else the engine's; generation keeps the engine's "
+                    "dtype, so the relay's token logprobs do not change")
     merged_build_attempts: int = Field(default=3, ge=0, le=16,
                                        description="Tries at building a merged copy outside the engine's lock "
                                                    "(an adapter load racing one makes it build again; then it is "

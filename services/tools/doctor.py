@@ -192,6 +192,22 @@ def check_memory(meminfo: Path = Path("/proc/meminfo")) -> Check:
                  required=False)
 
 
+def check_router_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> Check:
+    """Whether bf16 pays for the router's scoring copy here: only with AMX (read from the CPU's flags, no torch)."""
+    try:
+        flags = set(re.search(r"^flags\s*:(.*)$", cpuinfo.read_text(), re.M).group(1).split())
+    except (OSError, AttributeError):
+        return Check("router dtype", True, "unknown (no CPU flags): keep float32", required=False,
+                     needed_for="a fast router")
+    if "amx_bf16" in flags:
+        found = "AMX bf16: set FANROUTE_MERGED_DTYPE=auto (or bfloat16) to score the router in bf16"
+    elif "avx512_bf16" in flags:
+        found = "AVX-512 BF16 without AMX: bf16 is slower than float32 here; keep FANROUTE_MERGED_DTYPE=same"
+    else:
+        found = "no bf16 instructions: keep float32 (FANROUTE_MERGED_DTYPE=same)"
+    return Check("router dtype", True, found, required=False, needed_for="a fast router")
+
+
 def check_ports(ports: dict[str, int] = DEFAULT_PORTS) -> Check:
     """The default service ports (busy only matters for `make stack-up` and compose: the demo picks free ones)."""
     busy = []
@@ -216,7 +232,7 @@ def checks() -> list[Callable[[], Check]]:
         lambda: check_writable("cache", paths.cache_root(), paths.CACHE_DIR_ENV),
         lambda: check_writable("models dir", paths.models_dir(), paths.MODELS_DIR_ENV),
         lambda: check_writable("judge cache", paths.judge_cache_dir(), paths.JUDGE_CACHE_DIR_ENV),
-        lambda: check_disk(paths.cache_root()), check_memory,
+        lambda: check_disk(paths.cache_root()), check_memory, check_router_dtype,
         check_bwrap,
         lambda: check_tool("docker", "docker.io", required=False, needed_for="the Docker sandbox and compose"),
         check_ports,

@@ -102,3 +102,14 @@ def test_collections_override_that_lacks_data(tmp_path: Path, monkeypatch) -> No
     assert not result.ok and "$FANROUTE_COLLECTIONS_DIR" in result.found
     monkeypatch.delenv(paths.COLLECTIONS_DIR_ENV)
     assert doctor.check_collections().ok
+
+
+def test_the_router_dtype_follows_the_cpu_flags(tmp_path):
+    """bf16 is recommended for the router's scoring copy only with AMX; no CPU flags is not an error."""
+    info = tmp_path / "cpuinfo"
+    for flags, says in (("fpu avx512f avx512_bf16 amx_bf16 amx_tile", "FANROUTE_MERGED_DTYPE=auto"),
+                        ("fpu avx512f avx512_bf16", "slower than float32"), ("fpu sse2", "no bf16")):
+        info.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        check = doctor.check_router_dtype(info)
+        assert check.ok and not check.required and says in check.found
+    assert "unknown" in doctor.check_router_dtype(tmp_path / "absent").found

@@ -200,6 +200,52 @@ async def test_a_version_loaded_again_by_a_request_gets_its_copy_in_the_backgrou
     assert harness.metric("fanroute_sampler_merged_copies") == 1
 
 
+@pytest.mark.parametrize("harness", [{"merged_dtype": "bfloat16"}], indirect=True)
+async def test_a_bf16_scoring_copy_of_an_fp32_engine(harness, tiny):
+    """``merged_dtype=bfloat16``: the router is scored through a bf16 copy while generation stays in the
+    engine's fp32 (the relay's logprobs unchanged); its logprobs are peft fp32's up to bf16 rounding."""
+    import torch
+
+    from tests.support.scoring import reference_rows
+
+    await load(harness, "router@1", tiny["a"])
+    eng = harness.sampler.eng
+    model, _ = eng.scoring_model(harness.sampler.registry.get("router@1").slot)
+    assert model.dtype == torch.bfloat16 and eng.model.dtype == torch.float32
+    body = await harness.score(harness.router_prompts("what is a cell?"), k=1, model="router@1")
+    for choice in body["choices"]:
+        ids = choice["prompt_token_ids"]
+        want = reference_rows(tiny, "a", ids)
+        got = [float(next(iter(e.values()))["logprob"]) for e in choice["prompt_logprobs"][1:]]
+        exact = [float(want[pos - 1, ids[pos]]) for pos in range(1, len(ids))]
+        assert max(abs(a - b) for a, b in zip(got, exact)) < 0.1 * max(abs(b) for b in exact)
+
+
+def test_the_scoring_dtype_follows_the_setting(monkeypatch):
+    """``auto`` is bf16 only where the CPU has AMX (with AVX-512 BF16 alone bf16 is slower than fp32)."""
+    import torch
+
+    import services.sampler.merged as merged
+
+    assert merged.scoring_dtype("same", torch.float32) == torch.float32
+    assert merged.scoring_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert merged.scoring_dtype("float32", torch.bfloat16) == torch.float32
+    monkeypatch.setattr(merged, "has_amx_bf16", lambda: False)
+    assert merged.scoring_dtype("auto", torch.float32) == torch.float32
+    monkeypatch.setattr(merged, "has_amx_bf16", lambda: True)
+    assert merged.scoring_dtype("auto", torch.float32) == (torch.bfloat16 if merged.packable(torch.bfloat16)
+                                                           else torch.float32)
+
+
+def test_a_bad_merged_dtype_is_refused_by_name(tmp_path):
+    from pydantic import ValidationError
+
+    from services.sampler.settings import SamplerSettings
+
+    with pytest.raises(ValidationError, match="merged_dtype"):
+        SamplerSettings(base_model="unused", merged_dtype="int8", adapter_cache_dir=tmp_path)
+
+
 def test_a_bad_model_id_in_merged_models_is_refused_by_name(tmp_path):
     from pydantic import ValidationError
 
