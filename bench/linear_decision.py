@@ -35,7 +35,7 @@ def pct(values: list[float]) -> dict[str, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from bench.router_decision import load_queries
+    from bench.sampler_support import load_queries
     from services.router import linear
     from services.trainer.data import load_episodes_file
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import aiohttp  # noqa: E402
 
-from bench.router_decision import fresh_adapter, load_queries, pct, sampler_server  # noqa: E402
+from bench.sampler_support import fresh_adapter, load_queries, pct, sampler_server  # noqa: E402
 
 
 async def one_setting(args: argparse.Namespace, attempts: int, names: list[str], queries: list[str],

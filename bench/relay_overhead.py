@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp
 import numpy as np
 
-from bench.router_decision import LORA, fresh_adapter, pct, start, wait_ready  # noqa: F401 - re-exported
+from bench.sampler_support import LORA, fresh_adapter, pct, start, wait_ready  # noqa: F401 - re-exported
 
 ADMIN = "bench-admin-" + uuid.uuid4().hex
 

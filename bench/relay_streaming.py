@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp
 
 from bench.relay_overhead import run_and_write, start, wait_ready
-from bench.router_decision import LORA, fresh_adapter, pct
+from bench.sampler_support import LORA, fresh_adapter, pct
 
 RELAYS = ("decoded", "whole")
 

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 import aiohttp
 import numpy as np
 
-from bench.router_decision import fresh_adapter, pct
+from bench.sampler_support import fresh_adapter, pct
 
 ENGINES = ("ours-1", "ours", "vllm")
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx
 
+from bench.sampler_support import stop  # noqa: E402
 from services.common import rss
 from services.tools.serving import free_port
 
@@ -105,11 +106,7 @@ def measure(name: str, env: dict[str, str], work_dir: Path, window_s: float, req
                   "steady_mb": round(statistics.median(samples), 1), "peak_mb": round(rss.hwm_mb(proc.pid) or 0, 1),
                   "work": did}
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
     print(f"  {name:<10} ready in {result['ready_s']:>6.1f} s, steady {result['steady_mb']:>7.0f} MiB, "
           f"peak {result['peak_mb']:>7.0f} MiB ({did})", flush=True)

@@ -59,7 +59,7 @@ def test_queries_come_from_an_eval_report_or_a_jsonl(tmp_path):
     """An ``eval.json`` gives exactly the held-out queries it measured; a JSONL its ``query`` or user turn."""
     from pathlib import Path
 
-    from bench.router_decision import load_queries
+    from bench.sampler_support import load_queries
 
     report = tmp_path / "eval.json"
     report.write_text(json.dumps({"queries": [{"query": "wing flutter", "trace_id": "t1"}, {"query": "cells"}]}))
