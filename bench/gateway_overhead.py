@@ -42,7 +42,14 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.routed_fixture import bench_query, publish_and_promote, redis_for, routed_env, start_publisher  # noqa: E402
+from bench.routed_fixture import (  # noqa: E402
+    bench_query,
+    local_stack_left_as_found,
+    publish_and_promote,
+    redis_for,
+    routed_env,
+    start_publisher,
+)
 DEFAULT_LATENCIES_MS = "20,35,50"
 
 
@@ -306,6 +313,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="routed runs: the share of requests that keep fanning out (the gateway's default)")
     p.add_argument("--redis", default="auto", metavar="URL",
                    help="routed runs: the Redis holding the stamps (auto: $REDIS_URL, else the local stack)")
+    p.add_argument("--keep-stack", action="store_true",
+                   help="leave the local stack running when this run started it (by default it is stopped)")
     p.add_argument("--profile", type=Path, default=None,
                    help="write a py-spy flame graph (SVG) of the gateway during its measured run here")
     args = p.parse_args(argv)
@@ -313,8 +322,9 @@ def main(argv: list[str] | None = None) -> None:
         args.latencies = [float(x) for x in args.latencies.split(",")]
     tag = f"c{args.concurrency}_max{max(args.latencies):g}ms"
     args.out = args.out or ROOT / "bench" / "results" / f"gateway_overhead_{tag}.json"
-    args.broker = kafka_for(args.kafka)
-    out = asyncio.run(bench(args))
+    with local_stack_left_as_found(keep=args.keep_stack):
+        args.broker = kafka_for(args.kafka)
+        out = asyncio.run(bench(args))
     r = out["results"]
     base = r["plain asyncio fan-out"]
     print(f"\n{args.requests} requests, concurrency {args.concurrency}, providers {args.latencies} ms")

@@ -8,11 +8,13 @@ stamps in Redis) and promoted, exactly as ``fanroute linear fit`` and the promot
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 from datetime import UTC, datetime
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +98,21 @@ def redis_for(choice: str) -> str:
     url = devstack.up(components=("redis",)).redis_url
     assert url is not None
     return url
+
+
+@contextlib.contextmanager
+def local_stack_left_as_found(*, keep: bool = False) -> Iterator[None]:
+    """Stop the project's local stack (``python -m devstack``) on the way out if it was not running on the
+    way in, so a benchmark that needed it (``redis_for``, ``--kafka`` auto) leaves none behind; ``keep``
+    (or a stack that was already up) leaves it running."""
+    sys.path.insert(0, str(ROOT))
+    import devstack
+
+    before = devstack.status()
+    was_up = any(before[c]["running"] for c in devstack.COMPONENTS)
+    try:
+        yield
+    finally:
+        if not keep and not was_up and any(devstack.status()[c]["running"] for c in devstack.COMPONENTS):
+            print("stopping the local stack this benchmark started (--keep-stack leaves it)", file=sys.stderr)
+            devstack.down()
