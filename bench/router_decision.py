@@ -166,6 +166,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                dtype=args.dtype, consume_adapters=False, score_batch_wait_ms=args.batch_wait_ms,
                                score_batch_max_wait_ms=args.batch_max_wait_ms,
                                merged_copies=args.merged_copies, fused_layers=args.fused_layers,
+                               merged_dtype=args.merged_dtype,
                                adapter_cache_dir=Path(tempfile.mkdtemp(prefix="bench-rd-cache-")),
                                kafka=KafkaSettings(bootstrap_servers="memory://"))
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -180,7 +181,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                "score_max_batch", "score_batch_wait_ms", "score_batch_max_wait_ms",
                                "score_max_forward_tokens",
                                "score_row_tokens", "prefix_cache_entries", "prefix_cache_min_tokens", "merged_copies",
-                               "fused_layers")}}
+                               "fused_layers", "merged_dtype")}}
     async with sampler_server(settings, args.server) as (base, metric, tok):
         out["torch_threads"] = torch.get_num_threads()
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as http:
@@ -314,6 +315,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="the sampler's score_batch_max_wait_ms (waits again while requests keep arriving)")
     p.add_argument("--server", choices=["process", "inline"], default="process",
                    help="the sampler in its own process (as deployed) or in this one (the load generator's)")
+    p.add_argument("--merged-dtype", default=sampler_default["merged_dtype"],
+                   choices=["same", "auto", "float32", "bfloat16"],
+                   help="the sampler's merged_dtype: the router copy's dtype (bfloat16 beside an fp32 --dtype)")
     p.add_argument("--merged-copies", type=int, default=sampler_default["merged_copies"],
                    help="the sampler's merged_copies (0: score router@1 through peft, as before merged copies)")
     p.add_argument("--fused-layers", action=argparse.BooleanOptionalAction, default=True,

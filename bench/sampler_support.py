@@ -117,7 +117,7 @@ async def sampler_server(settings: Any, where: str) -> AsyncIterator[tuple[str, 
     port = free_port()
     env = {**{f"FANROUTE_{k.upper()}": str(v) for k, v in settings.model_dump(
         include={"base_model", "served_model_name", "dtype", "score_batch_wait_ms", "score_batch_max_wait_ms",
-                 "merged_copies", "merged_build_attempts",
+                 "merged_copies", "merged_build_attempts", "merged_dtype",
                  "fused_layers", "adapter_cache_dir"}).items()},
            "FANROUTE_CONSUME_ADAPTERS": "false", "FANROUTE_KAFKA__BOOTSTRAP_SERVERS": "memory://",
            "FANROUTE_HOST": "127.0.0.1", "FANROUTE_PORT": str(port), "FANROUTE_LOG_LEVEL": "WARNING",
