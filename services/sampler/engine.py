@@ -213,6 +213,8 @@ class Engine:
                 with self.lock:
                     if self._epoch == epoch:
                         raise  # a failure of its own, not a race with a load
+                    if slot is not None and slot not in self.slots:
+                        return False
                 continue
             with self.lock:
                 if self._epoch == epoch:

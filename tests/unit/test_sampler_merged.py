@@ -180,6 +180,14 @@ def test_a_load_or_unload_during_the_build_is_not_missed(tiny, monkeypatch):
     monkeypatch.setattr(merged, "merged_copy", racing(lambda: eng.unload_adapter("u")))
     assert eng.merge("u", keep=2) is False and eng.merged == ["s"]
 
+    def torn(model, slot, **kw):  # the race broke the deep copy itself, and the slot is gone
+        eng.unload_adapter("v")
+        raise RuntimeError("dictionary changed size during iteration")
+
+    eng.load_adapter("v", tiny["a"])
+    monkeypatch.setattr(merged, "merged_copy", torn)
+    assert eng.merge("v", keep=2) is False and eng.merged == ["s"]
+
 
 @pytest.mark.parametrize("harness", [{"max_resident_adapters": 1}], indirect=True)
 async def test_a_version_loaded_again_by_a_request_gets_its_copy_in_the_background(harness, tiny):
