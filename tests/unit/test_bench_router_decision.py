@@ -98,3 +98,11 @@ def test_zero_rounds_are_refused_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--rounds", "0", "--out", str(tmp_path / "out.json")])
     assert "--rounds" in capsys.readouterr().err and not (tmp_path / "out.json").exists()
+
+
+def test_a_bad_merged_dtype_is_refused_by_name_before_any_work(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["--merged-dtype", "int8", "--out", str(tmp_path / "out.json")])
+    assert "--merged-dtype" in capsys.readouterr().err and not (tmp_path / "out.json").exists()

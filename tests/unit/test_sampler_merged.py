@@ -252,6 +252,8 @@ def test_a_bad_merged_dtype_is_refused_by_name(tmp_path):
 
     with pytest.raises(ValidationError, match="merged_dtype"):
         SamplerSettings(base_model="unused", merged_dtype="int8", adapter_cache_dir=tmp_path)
+    with pytest.raises(ValidationError, match="merged_build_attempts"):
+        SamplerSettings(base_model="unused", merged_build_attempts=-1, adapter_cache_dir=tmp_path)
 
 
 def test_a_bad_model_id_in_merged_models_is_refused_by_name(tmp_path):
