@@ -73,6 +73,17 @@ async def wait_http(url: str, timeout_s: float = 120.0) -> None:
             await asyncio.sleep(0.1)
 
 
+async def wait_routing(url: str, timeout_s: float = 120.0) -> None:
+    """Wait until the gateway at ``url`` follows a promoted router (its /healthz names a version), so no
+    request of a routed run falls back for want of one."""
+    async with httpx.AsyncClient() as c:
+        deadline = time.monotonic() + timeout_s
+        while (await c.get(f"{url}/healthz")).json().get("routing", {}).get("version") is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} follows no promoted router after {timeout_s:g} s")
+            await asyncio.sleep(0.1)
+
+
 async def drive(n: int, concurrency: int, one) -> tuple[list[float], float]:
     """Run ``one()`` n times, ``concurrency`` at once; returns added-latency samples and req/s."""
     sem = asyncio.Semaphore(concurrency)
@@ -126,13 +137,20 @@ def trace_bytes(metrics_text: str) -> float | None:
     return got["sum"] / got["count"] if got.get("count") else None
 
 
-def routed_count(metrics_text: str) -> dict[str, float]:
-    """Routed requests by path (``router`` / ``fallback``) from ``fanroute_gateway_routed_total``."""
-    out = {}
-    for line in metrics_text.splitlines():
-        if line.startswith("fanroute_gateway_routed_total{"):
-            out[line.split('path="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
-    return out
+def routed_count(metrics_text: str, before: str = "") -> dict[str, float]:
+    """Routed requests by path (``router`` / ``fallback``, from ``fanroute_gateway_routed_total``) and
+    fallbacks by reason (``fallback:<reason>``), less those already counted in ``before``."""
+    def counts(text: str) -> dict[str, float]:
+        out = {}
+        for line in text.splitlines():
+            for family, label, prefix in (("fanroute_gateway_routed_total{", "path", ""),
+                                          ("fanroute_gateway_route_fallbacks_total{", "reason", "fallback:")):
+                if line.startswith(family):
+                    out[prefix + line.split(f'{label}="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
+        return out
+
+    now, then = counts(metrics_text), counts(before)
+    return {k: v - then.get(k, 0.0) for k, v in now.items() if v - then.get(k, 0.0)}
 
 
 def kafka_for(choice: str | None) -> str | None:
@@ -230,7 +248,13 @@ async def bench(args: argparse.Namespace) -> dict:
                         return (total - max(c["latency_ms"] for c in body["candidates"]), float(timing["gateway"]),
                                 float(spooled), router_ms)
 
+                    if is_routed:
+                        await wait_routing(f"http://127.0.0.1:{gport}")
                     await drive(200, args.concurrency, via_gateway)  # warm-up, not measured
+                    before = ""
+                    if is_routed:  # count the measured requests' paths only
+                        async with http.get(f"http://127.0.0.1:{gport}/metrics") as r:
+                            before = await r.text()
                     profile = args.profile if label == "in-memory bus" else None
                     row = await measure(args, via_gateway, {"providers": providers.pid, "gateway": gateway.pid},
                                         profile=profile)
@@ -239,7 +263,7 @@ async def bench(args: argparse.Namespace) -> dict:
                             text = await r.text()
                         row["trace_bytes_mean"] = trace_bytes(text)
                         if is_routed:
-                            row["routed_requests"] = routed_count(text)
+                            row["routed_requests"] = routed_count(text, before)
                     results[f"fanroute gateway ({label})" if kafka else label] = row
                 finally:
                     gateway.terminate()

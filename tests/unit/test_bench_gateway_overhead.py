@@ -59,3 +59,15 @@ def test_the_profile_is_a_flame_graph_or_collapsed_stacks_by_its_suffix(tmp_path
     go.profiler(123, tmp_path / "p.txt")
     assert [argv[argv.index("--format") + 1] for argv in calls] == ["flamegraph", "raw"]
     assert all(argv[:4] == ["py-spy", "record", "--pid", "123"] for argv in calls)
+
+
+def test_routed_counts_are_the_measured_requests_with_fallbacks_by_reason():
+    from bench.gateway_overhead import routed_count
+
+    warm = ('fanroute_gateway_routed_total{path="router"} 190.0\nfanroute_gateway_routed_total{path="fallback"} 5.0\n'
+            'fanroute_gateway_route_fallbacks_total{reason="no_adapter"} 5.0\n')
+    end = ('fanroute_gateway_routed_total{path="router"} 217.0\nfanroute_gateway_routed_total{path="fallback"} 6.0\n'
+           'fanroute_gateway_route_fallbacks_total{reason="no_adapter"} 5.0\n'
+           'fanroute_gateway_route_fallbacks_total{reason="timeout"} 1.0\n')
+    assert routed_count(end, warm) == {"router": 27.0, "fallback": 1.0, "fallback:timeout": 1.0}
+    assert routed_count(end)["fallback:no_adapter"] == 5.0
