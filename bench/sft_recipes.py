@@ -43,7 +43,26 @@ RECIPES: dict[str, dict[str, Any]] = {
                      "lora.target_modules": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
     "lr-5e-4": {"lr": 5e-4},
     "cosine": {"lr_schedule": "cosine"},
+    "tie-smooth": {"run.tie_smoothing": 0.3},
+    "short-prompt": {"prompt": "short"},  # the bench rewrites the system turn of fit and validation episodes
 }
+
+#: ``short-prompt``'s system turn: the decision only, the provider list kept in the shared renderer's words
+#: (``providers_in`` reads it back). Measured here only: the gateway and the sampler send
+#: :func:`services.common.prompt.system_prompt`, so an adapter trained on this could not be served as is.
+SHORT_TEMPLATE = "Route the search query. The providers are: {names}.\nAnswer with the best provider's name."
+
+
+def short_prompt(episodes: list[Any]) -> list[Any]:
+    """``episodes`` with their system turn replaced by :data:`SHORT_TEMPLATE` over the same providers."""
+    from services.common.prompt import providers_of
+
+    out = []
+    for ep in episodes:
+        system = SHORT_TEMPLATE.format(names=", ".join(providers_of(ep)))
+        messages = tuple(m.model_copy(update={"content": system}) if m.role == "system" else m for m in ep.messages)
+        out.append(ep.model_copy(update={"messages": messages}))
+    return out
 
 
 def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed: int) -> Any:
@@ -54,6 +73,8 @@ def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed
                               "max_steps": 100_000, "checkpoint_every": 0, "run": {"type": "sft", "target": "first"},
                               "lora": {}}
     for key, value in RECIPES[recipe].items():
+        if key == "prompt":
+            continue
         head, _, sub = key.partition(".")
         if sub:
             fields[head][sub] = value
@@ -130,19 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f}", flush=True)
     for recipe in recipes:
-        init = None
+        init, rq, rfit = None, q, fit_file
+        if RECIPES[recipe].get("prompt") == "short":
+            rq = Queries(short_prompt(val), {t.trace_id: t for t in traces}, tok)
+            rfit = write_jsonl(short_prompt(fit_eps), args.work_dir / f"fit-{recipe}.jsonl")
         for p in range(1, args.passes + 1):
             t0 = time.perf_counter()
-            run = train(settings_for(recipe, fit_file, args.work_dir / recipe / f"pass{p}", init, p),
+            run = train(settings_for(recipe, rfit, args.work_dir / recipe / f"pass{p}", init, p),
                         out=lambda line: None)
             init = run.adapter_dir
             row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
-                   **q.summary(q.adapter_picks(init, base, pad_id))}
+                   **rq.summary(rq.adapter_picks(init, base, pad_id))}
             rows.append(row)
             print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
                   f"grade {row['tier_grade']:.2f} ({row['train_s']:.0f} s) {row['shares']}", flush=True)
             if p == args.passes and taus:
-                rows += [{**r, "pass": p} for r in hedge_rows(recipe, q.adapter_probs(init, base, pad_id))]
+                rows += [{**r, "pass": p} for r in hedge_rows(recipe, rq.adapter_probs(init, base, pad_id))]
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"fit_episodes": len(fit_eps), "val_episodes": len(val),
                                             "val_with_qrels": len(q.human), "rows": rows}, indent=2) + "\n")

@@ -109,6 +109,39 @@ def retarget(ep: Episode, target: str) -> Episode:
     return ep.model_copy(update={"messages": messages})
 
 
+
+def tie_variants(ep: Episode, smoothing: float) -> list[tuple[Episode, float]]:
+    """Label smoothing over the judge's ties, as weighted ``first`` examples: one per provider in the
+    episode's top tier, the cost-aware first choice weighing ``1 − smoothing + smoothing / k`` and each of
+    the other k − 1 ``smoothing / k`` (the weights sum to 1, so an episode still counts once). A tier of
+    one, a ``smoothing`` of 0 or an answer that does not parse gives ``[(retarget(ep, "first"), 1.0)]``.
+
+    Why: a tie says the judge could not tell those providers apart; a one-hot target on the cheapest
+    teaches the student a preference the judge never expressed. A variant's id is the episode's with
+    ``#<provider>`` appended, so the examples stay distinct.
+    """
+    if not 0 <= smoothing < 1:
+        raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
+    first = retarget(ep, "first")
+    if smoothing == 0:
+        return [(first, 1.0)]
+    from services.common.ndcg import parse_ordering
+
+    last = max(i for i, m in enumerate(ep.messages) if m.role == "assistant")
+    try:
+        tiers = parse_ordering(ep.messages[last].content)
+    except ValueError:
+        return [(first, 1.0)]
+    top = list(dict.fromkeys(tiers[0])) if tiers else []
+    if len(top) < 2:
+        return [(first, 1.0)]
+    k = len(top)
+    out = [(first, 1 - smoothing + smoothing / k)]
+    for name in top[1:]:
+        messages = (*ep.messages[:last], ep.messages[last].model_copy(update={"content": name}), *ep.messages[last + 1:])
+        out.append((ep.model_copy(update={"messages": messages, "episode_id": f"{ep.episode_id}#{name}"}), smoothing / k))
+    return out
+
 @dataclass(frozen=True, order=True)
 class JudgeKey:
     """The judge half of a gate key, as far as an episode names it (model, rubric hash prefix)."""

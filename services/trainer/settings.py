@@ -40,11 +40,19 @@ class SftRun(BaseModel):
     class_balance: float = Field(
         default=0.0, ge=0, le=1, description="Loss weight per example ∝ (examples sharing its cost-aware first "
                                              "choice) ** -class_balance: 0 off, 0.5 square-root, 1 equal per label")
+    tie_smoothing: float = Field(
+        default=0.0, ge=0, le=0.9, description="Label smoothing over the judge's top tier (target first only): "
+                                               "this share of each episode's loss is spread evenly over every "
+                                               "provider in its top tier, the rest stays on the cost-aware first "
+                                               "choice; one weighted example per tied provider. 0 off")
 
     @model_validator(mode="after")
     def _window(self) -> SftRun:
         if self.reward_min is not None and self.reward_max is not None and self.reward_min > self.reward_max:
             raise ValueError(f"reward_min {self.reward_min} is above reward_max {self.reward_max}")
+        if self.tie_smoothing and self.target != "first":
+            raise ValueError(f"tie_smoothing {self.tie_smoothing} applies to target first only (target is "
+                             f"{self.target}: its assistant turn already names the tied providers, or every one)")
         return self
 
 

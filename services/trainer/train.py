@@ -22,7 +22,7 @@ from schemas.episode import Episode
 from services.common.adapter_files import RATES_FILE
 from services.common.errors import BusError, ConfigError, FanrouteError
 from services.common.files import atomic_dir
-from services.common.prompt import retarget
+from services.common.prompt import retarget, tie_variants
 from services.models.prepare import is_prepared, resolve_base
 from services.router.linear import first_choice
 from services.router.rates import to_json as rates_json
@@ -106,8 +106,9 @@ class Plan:
 
     def one_pass_line(self) -> str:
         """The one-pass rule, said out loud."""
-        n, g = len(self.examples), self.settings.batch_size
-        head = f"one pass over {n} training episodes at {g} per batch is {self.steps_per_pass} steps"
+        n, g, variants = len(self.examples), self.settings.batch_size, self.counts.get("tie_variants", 0)
+        what = f"{n - variants} training episodes ({n} examples with tie variants)" if variants else f"{n} training episodes"
+        head = f"one pass over {what} at {g} per batch is {self.steps_per_pass} steps"
         if self.capped:
             return f"{head}; stopping after {self.steps} although max_steps={self.settings.max_steps} was asked"
         return f"{head}; running {self.steps} (max_steps={self.settings.max_steps})"
@@ -184,6 +185,8 @@ def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = 
     # the target rewrites only what is trained on: the eval episodes keep the judge's whole ordering to grade by
     target = getattr(run, "target", "ordering")
     rates = top_tier_rates(train_eps)
+    smoothing = getattr(run, "tie_smoothing", 0.0)
+    variants = [(ep.episode_id, *v) for ep in train_eps for v in tie_variants(ep, smoothing)] if smoothing else []
     train_eps = [retarget(ep, target) for ep in train_eps]
     counts: dict[str, Any] = dict(selection.counts) | {"reward": selection.reward, "train_episodes": len(train_eps),
                                                        "eval_episodes": len(eval_eps), "target": target}
@@ -199,15 +202,31 @@ def plan_run(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = 
     from transformers import AutoTokenizer
 
     plan.tokenizer = AutoTokenizer.from_pretrained(base_dir)
-    built = build_examples(plan.tokenizer, train_eps, settings.max_tokens)
+    # with tie smoothing, one weighted example per tied provider (variant ids are "<episode id>#<provider>")
+    smooth = {v.episode_id: w for _, v, w in variants}
+    origin = {v.episode_id: orig for orig, v, _ in variants}
+    built = build_examples(plan.tokenizer, [v for _, v, _ in variants] or train_eps, settings.max_tokens)
     counts.update(built.counts)
     if not built.examples:
         raise ConfigError(f"max_tokens {settings.max_tokens} cuts off the assistant turn of every training episode")
+    if variants:
+        counts["tie_variants"] = len(variants) - len(train_eps)
     labels = {ep.episode_id: first_choice(ep) for ep in train_eps}
-    weights = balance_weights([labels.get(e.episode_id) for e in built.examples], getattr(run, "class_balance", 0.0))
-    plan.examples = [replace(e, weight=w) for e, w in zip(built.examples, weights, strict=True)]
-    plan.batches = batch_order([len(e.input_ids) for e in built.examples], settings.batch_size,
-                               settings.bucket_window, settings.seed)
+    weights = balance_weights([labels.get(origin.get(e.episode_id, e.episode_id)) for e in built.examples],
+                              getattr(run, "class_balance", 0.0))
+    plan.examples = [replace(e, weight=w * smooth.get(e.episode_id, 1.0))
+                     for e, w in zip(built.examples, weights, strict=True)]
+    if variants:  # an episode's variants share a batch, so each episode weighs 1 in its batch's weighted mean
+        groups: dict[str, list[int]] = {}
+        for i, e in enumerate(built.examples):
+            groups.setdefault(origin.get(e.episode_id, e.episode_id), []).append(i)
+        members = list(groups.values())
+        plan.batches = [[i for g in batch for i in members[g]] for batch in batch_order(
+            [max(len(built.examples[i].input_ids) for i in m) for m in members], settings.batch_size,
+            settings.bucket_window, settings.seed)]
+    else:
+        plan.batches = batch_order([len(e.input_ids) for e in built.examples], settings.batch_size,
+                                   settings.bucket_window, settings.seed)
     counts.update(padding_stats(built.examples, plan.batches))
     return plan
 
@@ -391,7 +410,8 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
         save(plan.steps)
     run_eval(plan.steps)
     adapter_dir = _save_adapter(model, output_dir / "adapter", rates_json(plan.rates, len(plan.train_episodes)))
-    final |= {"steps": plan.steps, "episodes": len(plan.examples), "allow_uncalibrated": s.allow_uncalibrated,
+    final |= {"steps": plan.steps, "episodes": len(plan.examples) - plan.counts.get("tie_variants", 0),
+              "allow_uncalibrated": s.allow_uncalibrated,
               "uncalibrated_episodes": plan.uncalibrated_episodes, "one_pass_capped": plan.capped}
     metrics.write({"event": "end", "step": plan.steps, **final})
     published: dict | None = None

@@ -1,0 +1,27 @@
+"""bench/sft_recipes: the recipes this round added (tie smoothing, a short system prompt) map onto settings and
+episodes the way the table says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.common.prompt import providers_of
+from tests.support.records import episode
+
+PROVIDERS = ("aero", "biomed", "web-lexical")
+
+
+def test_tie_smooth_is_a_trainer_setting_and_short_prompt_only_rewrites_the_system_turn(tmp_path: Path):
+    from bench.sft_recipes import SHORT_TEMPLATE, settings_for, short_prompt
+
+    fit = tmp_path / "fit.jsonl"
+    assert settings_for("tie-smooth", fit, tmp_path, None, 1).run.tie_smoothing == 0.3
+    assert settings_for("short-prompt", fit, tmp_path, None, 1).run.tie_smoothing == 0.0  # not a trainer field
+    ep = episode("supersonic wing", "aero = web-lexical > biomed", PROVIDERS, ep_id="e1")
+    [short] = short_prompt([ep])
+    system = next(m.content for m in short.messages if m.role == "system")
+    assert system == SHORT_TEMPLATE.format(names="aero, biomed, web-lexical")
+    assert len(system) < len(next(m.content for m in ep.messages if m.role == "system")) / 2
+    assert providers_of(short) == providers_of(ep) == PROVIDERS  # the renderer still reads the provider list
+    assert [m for m in short.messages if m.role != "system"] == [m for m in ep.messages if m.role != "system"]
+    assert short.episode_id == ep.episode_id
