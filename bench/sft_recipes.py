@@ -3,12 +3,15 @@
 The demo's held-out queries are what its report and the promotion rule read, so nothing may be
 chosen on them. This splits the *training* episodes by query (``--val-fraction``, by the same hash as
 the trainer), trains each recipe on the rest for ``--passes`` chained one-pass runs (each pass starts
-from the last one's adapter, as the demo does), and after every pass asks the adapter exactly as the
-gateway does (score mode, λ = 0: every provider name scored as the continuation of the router
-prompt) about every validation query. Per recipe and pass it reports routed nDCG@10 against the
-human qrels, agreement with the judge's cost-aware first choice, the judge-tier grade of the choice
-and the provider shares; beside them, on the same validation queries: the linear router fitted on
-the same episodes, the best single provider chosen on them, and the judge-oracle (the label).
+from the last one's adapter, as the demo does), and after every pass asks the adapter about every
+validation query the way the gateway does: every provider name scored as the continuation of the
+router prompt, the pick made by the demo's decision and λ (``--decision``, ``--cost-weight``: by
+default the top-tier decision through the fit episodes' label → top-tier table, λ = 150, each
+provider's cost from the traces). Rounds before 2026-12-06 picked the most probable name (λ = 0).
+Per recipe and pass it reports routed nDCG@10 against the human qrels, agreement with the judge's
+cost-aware first choice, the judge-tier grade of the choice, the cost per query and the provider
+shares; beside them, on the same validation queries: the linear router fitted on the same episodes
+(deciding the same way), the best single provider chosen on them, and the judge-oracle (the label).
 
     python bench/sft_recipes.py --episodes out/demo/train/episodes.jsonl --traces out/demo/eval/traces.jsonl \\
         --recipes first,balanced --passes 4
@@ -32,6 +35,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from services.tools.demo_loop import LoopOptions  # noqa: E402
+
+DEMO = LoopOptions()
 
 #: Recipe name → the trainer settings it changes (``run.*`` and ``lora.*`` are nested fields).
 RECIPES: dict[str, dict[str, Any]] = {
@@ -63,6 +70,18 @@ def short_prompt(episodes: list[Any]) -> list[Any]:
         messages = tuple(m.model_copy(update={"content": system}) if m.role == "system" else m for m in ep.messages)
         out.append(ep.model_copy(update={"messages": messages}))
     return out
+
+
+def gateway_picks(probs: dict[str, dict[str, float]], cost: dict[str, float], cost_weight: float,
+                  rates: dict[str, dict[str, float]] | None) -> dict[str, str]:
+    """episode id → the provider the gateway calls for a router with these probabilities: utility =
+    expected quality (top tier through ``rates``, else the first-choice probability) − λ · cost."""
+    import math
+
+    from services.router.scoring import decide
+
+    return {e: decide({n: math.log(max(v, 1e-300)) for n, v in p.items()}, cost, cost_weight, rates)[0]
+            for e, p in probs.items()}
 
 
 def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed: int) -> Any:
@@ -103,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-fraction", type=float, default=0.25)
     ap.add_argument("--hedge", type=_taus, default=[], help="comma-separated τ: rows of each router handing queries whose top "
                     "probability is below τ to the best single provider")
+    ap.add_argument("--decision", choices=("top-tier", "first-choice"), default=DEMO.decision,
+                    help="how every router row decides, as the gateway does (default: the demo's)")
+    ap.add_argument("--cost-weight", type=float, default=DEMO.cost_weight,
+                    help="λ, quality per USD, of every router row's decision (default: the demo's)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-sft-recipes"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/sft_recipes.json")
     args = ap.parse_args(argv)
@@ -115,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.common.dataset import write_jsonl
     from services.evaluate.baseline import choose_best_single
     from services.evaluate.inputs import load_traces_file
+    from services.router.rates import top_tier_rates
     from services.trainer.data import load_episodes_file, split_by_query
     from services.trainer.train import train
 
@@ -129,10 +153,19 @@ def main(argv: list[str] | None = None) -> int:
     taus = args.hedge
     print(f"{len(fit_eps)} fit episodes, {len(val)} validation episodes ({len(q.human)} with qrels)", flush=True)
     best = choose_best_single(fit_eps).provider
+    rates = top_tier_rates(fit_eps) if args.decision == "top-tier" else None
+
+    def summary(picks: dict[str, str], queries: Any = q) -> dict[str, Any]:
+        return {**queries.summary(picks), "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)}
+
+    def routed(probs: dict[str, dict[str, float]], queries: Any = q) -> dict[str, Any]:
+        """A router's row, its picks made as the gateway makes them (the decision, λ, the providers' costs)."""
+        return summary(gateway_picks(probs, cost, args.cost_weight, rates), queries)
+
     rows: list[dict[str, Any]] = [
-        {"policy": "linear router", **q.summary(q.linear_picks(fit_eps))},
-        {"policy": f"best single ({best})", **q.summary({ep.episode_id: best for ep in val})},
-        {"policy": "judge-oracle (the label)", **q.summary({k: v for k, v in q.labels.items() if v})},
+        {"policy": "linear router", **routed(q.linear_probs(fit_eps))},
+        {"policy": f"best single ({best})", **summary({ep.episode_id: best for ep in val})},
+        {"policy": "judge-oracle (the label)", **summary({k: v for k, v in q.labels.items() if v})},
     ]
 
     def hedge_rows(name: str, probs: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -149,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows += hedge_rows("linear router", q.linear_probs(fit_eps))
     for r in rows:
-        print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f}", flush=True)
+        print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f} grade {r['tier_grade']:.2f} "
+              f"cost {r['cost'] * 1000:.2f}m", flush=True)
     for recipe in recipes:
         init, rq, rfit = None, q, fit_file
         if RECIPES[recipe].get("prompt") == "short":
@@ -161,14 +195,16 @@ def main(argv: list[str] | None = None) -> int:
                         out=lambda line: None)
             init = run.adapter_dir
             row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
-                   **rq.summary(rq.adapter_picks(init, base, pad_id))}
+                   **routed(rq.adapter_probs(init, base, pad_id), rq)}
             rows.append(row)
             print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
-                  f"grade {row['tier_grade']:.2f} ({row['train_s']:.0f} s) {row['shares']}", flush=True)
+                  f"grade {row['tier_grade']:.2f} cost {row['cost'] * 1000:.2f}m ({row['train_s']:.0f} s) "
+                  f"{row['shares']}", flush=True)
             if p == args.passes and taus:
                 rows += [{**r, "pass": p} for r in hedge_rows(recipe, rq.adapter_probs(init, base, pad_id))]
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"fit_episodes": len(fit_eps), "val_episodes": len(val),
+            args.out.write_text(json.dumps({"decision": args.decision, "cost_weight": args.cost_weight,
+                                            "fit_episodes": len(fit_eps), "val_episodes": len(val),
                                             "val_with_qrels": len(q.human), "rows": rows}, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     return 0

@@ -25,3 +25,16 @@ def test_tie_smooth_is_a_trainer_setting_and_short_prompt_only_rewrites_the_syst
     assert providers_of(short) == providers_of(ep) == PROVIDERS  # the renderer still reads the provider list
     assert [m for m in short.messages if m.role != "system"] == [m for m in ep.messages if m.role != "system"]
     assert short.episode_id == ep.episode_id
+
+
+def test_rows_pick_as_the_gateway_does():
+    """λ and the top-tier table move the pick exactly as the gateway's decide() would."""
+    from bench.sft_recipes import gateway_picks
+
+    probs = {"e1": {"aero": 0.55, "web-lexical": 0.45}}
+    cost = {"aero": 0.001, "web-lexical": 0.003}
+    assert gateway_picks(probs, cost, 0.0, None) == {"e1": "aero"}
+    # unsure between labels whose top tier both hold the generalist: the top-tier decision picks it at λ = 0
+    rates = {"aero": {"aero": 1.0, "web-lexical": 0.9}, "web-lexical": {"web-lexical": 1.0}}
+    assert gateway_picks(probs, cost, 0.0, rates) == {"e1": "web-lexical"}
+    assert gateway_picks(probs, cost, 300.0, rates) == {"e1": "aero"}  # ... and λ prices it out
