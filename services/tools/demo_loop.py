@@ -8,11 +8,14 @@ Redis from the local stack); only the orchestration is demo-specific.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
@@ -35,7 +38,12 @@ class LoopOptions:
     held_out_fraction: float = 0.3
     allow_uncalibrated: bool = False  # only when the judge's gate is closed; the run records it
     max_steps: int = 1000  # one pass over the training split caps it
-    passes: int = 1  # chained one-pass runs, each from the previous adapter (--init-adapter); the last publishes
+    passes: int = 1  # at most this many chained one-pass runs, each from the previous adapter (--init-adapter)
+    # which pass is published: "route" — the best by the gateway's objective on the trainer's own eval episodes
+    # (share routed into the judge's top tier − λ · cost: pass_utility), stopping early once a pass from
+    # min_passes on scores below the best before it; "last" — every pass runs and the last is published
+    select_pass: Literal["route", "last"] = "route"
+    min_passes: int = 2  # a second pass added +0.04 in every recipe (bench/sft_recipes.py): never stop before it
     batch_size: int = 8
     router_max_tokens: int = 8  # the top of the ordering is what routing needs; ~0.1 s per token on CPU
     router_timeout_s: float = 5.0
@@ -104,7 +112,9 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
     pub = PublisherSettings(kafka=kafka, redis=redis, port=pport, storage_dir=store,
                             public_url=f"http://127.0.0.1:{pport}")
     async with served(publisher_app(pub), pport, what="publisher") as publisher_url:
-        passes = "one pass" if opts.passes == 1 else f"{opts.passes} chained one-pass runs"
+        passes = "one pass" if opts.passes == 1 else (
+            f"up to {opts.passes} chained one-pass runs, the best by routing on its eval episodes published"
+            if opts.select_pass == "route" else f"{opts.passes} chained one-pass runs")
         step(first, steps, f"training the student: LoRA SFT of SmolLM2-135M-Instruct on {data.n_train} "
                            f"episodes (CPU, {passes}, target: the judge's cost-aware first choice), then "
                            f"publishing it to {publisher_url}")
@@ -133,34 +143,78 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
     return code
 
 
+def pass_utility(final: Mapping[str, Any], cost_weight: float) -> float | None:
+    """The gateway's objective measured on a pass's own eval episodes: the share of picks in the judge's top
+    tier (``test/route_best``) − λ · their mean cost (``test/route_cost``); None when the pass measured none."""
+    best = final.get("test/route_best")
+    if not isinstance(best, (int, float)):
+        return None
+    return float(best) - cost_weight * float(final.get("test/route_cost") or 0.0)
+
+
+def stop_after(utilities: Sequence[float | None], min_passes: int) -> bool:
+    """Whether to stop after the latest pass: it is at least the ``min_passes``-th and scored below the best
+    pass before it (patience 1; an unmeasured pass never stops the chain)."""
+    earlier = [u for u in utilities[:-1] if u is not None]
+    return (len(utilities) >= max(min_passes, 2) and utilities[-1] is not None and bool(earlier)
+            and utilities[-1] < max(earlier))
+
+
+def chosen_pass(utilities: Sequence[float | None]) -> int:
+    """Index of the pass to publish: the best utility, a tie going to the later (more trained) pass; the last
+    when none was measured."""
+    scored = [(u, i) for i, u in enumerate(utilities) if u is not None]
+    return max(scored)[1] if scored else len(utilities) - 1
+
+
 def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publisher_url: str, out_dir: Path,
            opts: LoopOptions, costs: str = ""):
-    """``opts.passes`` chained one-pass SFT runs (progress lines from the trainer), each starting from the
-    previous run's adapter with a new data order, as the continual schedule chains them; only the last
-    publishes; each is ``python -m services.trainer`` in its own process, so what it held is given back
-    before the sampler loads. The trainer checks the judge's calibration gate on Kafka itself; only a closed
-    gate makes the demo pass ``allow_uncalibrated`` (recorded by the run). Returns the last run's summary."""
+    """Up to ``opts.passes`` chained one-pass SFT runs (progress lines from the trainer), each starting from the
+    previous adapter with its own data order; then the chosen pass (``opts.select_pass``) is copied to
+    ``train/run`` and published. Each run is ``python -m services.trainer`` in its own process, so what it
+    held is given back before the sampler loads. The trainer checks the judge's calibration gate on Kafka
+    itself; only a closed gate makes the demo pass ``allow_uncalibrated`` (recorded by the run). Returns the
+    chosen run's summary with what the publisher answered."""
+    from services.common.publisher_client import PublisherClient
     from services.trainer import launch
     from services.trainer.settings import TrainerSettings
 
     if opts.allow_uncalibrated:
         print("      the judge's calibration gate is CLOSED: training with allow_uncalibrated (recorded)", flush=True)
-    result, init = None, None
+    results: list[dict[str, Any]] = []
+    utilities: list[float | None] = []
+    init, settings = None, None
     for k in range(opts.passes):
-        last = k == opts.passes - 1
         if opts.passes > 1:
-            print(f"      pass {k + 1} of {opts.passes}" + (f", starting from {init}" if init else ""), flush=True)
+            print(f"      pass {k + 1} of at most {opts.passes}" + (f", starting from {init}" if init else ""), flush=True)
         settings = TrainerSettings(kafka=kafka, redis=redis, episodes_file=train_file,
                                    allow_uncalibrated=opts.allow_uncalibrated, seed=k, init_adapter=init,
-                                   output_dir=out_dir / "train" / ("run" if last else f"run-pass{k + 1}"),
+                                   output_dir=out_dir / "train" / f"run-pass{k + 1}",
                                    max_steps=opts.max_steps, batch_size=opts.batch_size, eval_fraction=0.1,
-                                   eval_every=0, eval_max_examples=40, checkpoint_every=0,
-                                   publisher_url=publisher_url if last else None, model_id=MODEL_ID,
-                                   route_cost_weight=opts.cost_weight, route_costs=costs)
+                                   eval_every=0, eval_max_examples=40, checkpoint_every=0, publisher_url=None,
+                                   model_id=MODEL_ID, route_cost_weight=opts.cost_weight, route_costs=costs)
         shutil.rmtree(settings.output_dir, ignore_errors=True)
-        result = launch.train_in_process(settings)  # its own process: its memory is given back when it ends
-        init = Path(result["adapter_dir"])
-    return result
+        results.append(launch.train_in_process(settings))  # its own process: its memory is given back when it ends
+        init = Path(results[-1]["adapter_dir"])
+        utilities.append(pass_utility(results[-1].get("final") or {}, opts.cost_weight))
+        if utilities[-1] is not None:
+            print(f"      pass {k + 1}: top tier − λ·cost on the trainer's eval episodes = {utilities[-1]:.3f}", flush=True)
+        if opts.select_pass == "route" and stop_after(utilities, opts.min_passes):
+            print(f"      stopping early: pass {k + 1} scored below pass {chosen_pass(utilities) + 1}", flush=True)
+            break
+    assert settings is not None, "passes must be at least 1"
+    pick = chosen_pass(utilities) if opts.select_pass == "route" else len(results) - 1
+    run = out_dir / "train" / "run"  # where the demo's adapter is looked for (benches, the console)
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.copytree(out_dir / "train" / f"run-pass{pick + 1}", run)
+    chosen = {**results[pick], "adapter_dir": str(run / "adapter"), "pass": pick + 1, "passes_run": len(results)}
+    print(f"      publishing pass {pick + 1} of {len(results)} run" + (" (chosen by routing on the trainer's eval "
+          "episodes)" if opts.select_pass == "route" else ""), flush=True)
+    metrics = {k: float(v) for k, v in (chosen.get("final") or {}).items() if isinstance(v, (int, float))}
+    with PublisherClient(publisher_url) as client:
+        chosen["published"] = client.publish(MODEL_ID, run / "adapter", settings.base_model, metrics)
+    (run / "summary.json").write_text(json.dumps(chosen, indent=2, sort_keys=True, default=str) + "\n")
+    return chosen
 
 
 async def _evaluate_and_promote(kafka, data: Split, candidate: str, publisher_url: str, sampler_url: str,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import json
 from types import SimpleNamespace
 
@@ -91,24 +93,75 @@ def test_demo_refuses_bad_arguments(capsys):
     assert "--passes" in capsys.readouterr().err
 
 
-def test_chained_passes_start_each_run_from_the_previous_adapter_and_only_the_last_publishes(monkeypatch, tmp_path):
+def _fake_passes(monkeypatch, tmp_path, finals: list[dict]) -> tuple[list, list]:
+    """The trainer (one summary per pass, from ``finals``) and the publisher client, recorded."""
+    import services.common.publisher_client as pc
     import services.trainer.launch as launch
-    from services.common.settings import KafkaSettings, RedisSettings
-    from services.tools.demo_loop import LoopOptions, _train
 
-    runs = []
+    runs, published = [], []
 
     def fake_train(settings):
         runs.append(settings)
-        return {"adapter_dir": str(settings.output_dir / "adapter"), "published": None}
+        (settings.output_dir / "adapter").mkdir(parents=True)
+        (settings.output_dir / "adapter" / "which").write_text(str(len(runs)))
+        return {"adapter_dir": str(settings.output_dir / "adapter"), "published": None, "final": finals[len(runs) - 1]}
+
+    class FakeClient:
+        def __init__(self, url):
+            self.url = url
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def publish(self, model_id, adapter_dir, base_model, metrics):
+            published.append((self.url, model_id, (Path(adapter_dir) / "which").read_text(), metrics))
+            return {"version": 1}
 
     monkeypatch.setattr(launch, "train_in_process", fake_train)
+    monkeypatch.setattr(pc, "PublisherClient", FakeClient)
+    return runs, published
+
+
+def _route(best: float, cost: float) -> dict:
+    return {"test/route_best": best, "test/route_cost": cost, "train/loss": 0.1}
+
+
+def test_chained_passes_start_each_run_from_the_previous_adapter_and_the_best_by_routing_is_published(
+        monkeypatch, tmp_path):
+    from services.common.settings import KafkaSettings, RedisSettings
+    from services.tools.demo_loop import LoopOptions, _train
+
+    # λ = 150: utilities 0.55, 0.62, 0.60 — the third is below the second, so the chain stops there
+    finals = [_route(0.85, 0.002), _route(0.92, 0.002), _route(0.90, 0.002), _route(0.99, 0.0)]
+    runs, published = _fake_passes(monkeypatch, tmp_path, finals)
     result = _train(KafkaSettings(bootstrap_servers="memory://"), RedisSettings(url="memory://"),
-                    tmp_path / "episodes.jsonl", "http://127.0.0.1:9", tmp_path, LoopOptions(passes=3))
+                    tmp_path / "episodes.jsonl", "http://127.0.0.1:9", tmp_path, LoopOptions(passes=4))
     assert [r.init_adapter for r in runs] == [None, runs[0].output_dir / "adapter", runs[1].output_dir / "adapter"]
-    assert [r.publisher_url for r in runs] == [None, None, "http://127.0.0.1:9"]
+    assert all(r.publisher_url is None for r in runs)  # the demo publishes the chosen pass itself
     assert len({r.seed for r in runs}) == 3 and len({r.output_dir for r in runs}) == 3  # a new data order each pass
+    assert result["pass"] == 2 and result["passes_run"] == 3 and result["published"] == {"version": 1}
     assert result["adapter_dir"] == str(tmp_path / "train" / "run" / "adapter")  # the published one, where the demo looks
+    assert (tmp_path / "train" / "run" / "adapter" / "which").read_text() == "2"
+    assert published == [("http://127.0.0.1:9", "router", "2", finals[1])]
+
+
+def test_the_last_pass_is_published_when_asked_and_unmeasured_passes_never_stop_the_chain(monkeypatch, tmp_path):
+    from services.common.settings import KafkaSettings, RedisSettings
+    from services.tools.demo_loop import LoopOptions, _train, chosen_pass, pass_utility, stop_after
+
+    finals = [_route(0.9, 0.0), _route(0.5, 0.0), _route(0.6, 0.0)]
+    runs, published = _fake_passes(monkeypatch, tmp_path, finals)
+    result = _train(KafkaSettings(bootstrap_servers="memory://"), RedisSettings(url="memory://"),
+                    tmp_path / "episodes.jsonl", "http://127.0.0.1:9", tmp_path,
+                    LoopOptions(passes=3, select_pass="last"))
+    assert len(runs) == 3 and result["pass"] == 3 and published[0][2] == "3"
+    assert pass_utility({"train/loss": 0.1}, 150.0) is None and pass_utility(_route(0.9, 0.001), 150.0) == 0.75
+    assert not stop_after([0.9, None], 2) and not stop_after([0.9], 1)  # nothing to compare with
+    assert not stop_after([0.9, 0.5], 3) and stop_after([0.9, 0.5], 2)  # never before min_passes
+    assert chosen_pass([None, None]) == 1 and chosen_pass([0.5, 0.7, 0.7]) == 2  # a tie goes to the later pass
 
 
 async def test_the_demo_gate_is_computed_on_the_validation_half_and_published():
