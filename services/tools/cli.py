@@ -26,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--passes", type=int, default=None,
                    help="chained one-pass training runs, each starting from the previous adapter (1..5; "
                         "default: DemoOptions.passes, 3)")
+    d.add_argument("--select-pass", choices=("route", "last"), default="route",
+                   help="which pass is published: the one that routes best on the trainer's eval episodes (top "
+                        "tier − λ·cost; stops early once a pass from the second on is worse), or the last")
     d.add_argument("--synthetic", type=int, default=0,
                    help="also replay this many synthetic queries (fanroute traffic synth; training only, never "
                         "held out): the large-traffic recipe")
@@ -213,7 +216,7 @@ def _demo(args: argparse.Namespace) -> int:
         return 2
     opts = DemoOptions(queries=args.queries, rate=args.rate, concurrency=args.concurrency, seed=args.seed,
                        keep_stack=args.keep_stack, loop=args.loop, held_out_fraction=args.held_out,
-                       synthetic=args.synthetic,
+                       synthetic=args.synthetic, select_pass=args.select_pass,
                        **({"passes": args.passes} if args.passes is not None else {}),
                        **({"out_dir": args.out} if args.out else {}))
     before = signal.signal(signal.SIGTERM, _stop_on_sigterm)

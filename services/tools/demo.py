@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from tqdm import tqdm
@@ -49,6 +50,7 @@ class DemoOptions:
     held_out_fraction: float = 0.3
     passes: int = 3  # chained one-pass training runs (each from the previous adapter, its own data order)
     synthetic: int = 0  # pseudo-queries (fanroute traffic synth) replayed after the dev queries: training only
+    select_pass: Literal["route", "last"] = "route"  # which pass is published (LoopOptions.select_pass)
 
 
 STEPS = 8
@@ -161,7 +163,8 @@ async def demo_on(opts: DemoOptions, kafka: KafkaSettings, redis_url: str) -> in
           flush=True)
     if not opts.loop:
         return code
-    loop = LoopOptions(held_out_fraction=opts.held_out_fraction, passes=opts.passes, allow_uncalibrated=not gate.open)
+    loop = LoopOptions(held_out_fraction=opts.held_out_fraction, passes=opts.passes, allow_uncalibrated=not gate.open,
+                       select_pass=opts.select_pass)
     return max(code, await distill_and_route(kafka, redis_url, data, settings, opts.out_dir, loop, 6, STEPS))
 
 

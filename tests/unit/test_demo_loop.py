@@ -91,6 +91,24 @@ def test_demo_refuses_bad_arguments(capsys):
     assert main(["demo", "--passes", "0"]) == 2
     assert main(["demo", "--synthetic", "-5"]) == 2
     assert "--passes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["demo", "--select-pass", "best"])
+    assert "--select-pass: invalid choice: 'best'" in capsys.readouterr().err
+
+
+def test_select_pass_reaches_the_demo_options(monkeypatch):
+    import services.tools.demo as demo
+
+    seen = []
+
+    async def fake_run(opts):
+        seen.append(opts)
+        return 0
+
+    monkeypatch.setattr(demo, "run_demo", fake_run)
+    assert main(["demo", "--select-pass", "last", "--passes", "2"]) == 0
+    assert main(["demo"]) == 0
+    assert [(o.select_pass, o.passes) for o in seen] == [("last", 2), ("route", 3)]
 
 
 def _fake_passes(monkeypatch, tmp_path, finals: list[dict]) -> tuple[list, list]:
