@@ -44,18 +44,13 @@ import numpy as np  # noqa: E402
 
 from bench.fake_router import RouterBehaviour  # noqa: E402
 from bench.gateway_overhead import free_port, wait_http  # noqa: E402
-
-try:
-    import psutil
-except ImportError:  # pragma: no cover - psutil is installed in the dev environment
-    psutil = None
+from bench.open_loop import Window, counters, hwm_mb, metric_delta, open_loop, pct, psutil, rss_mb  # noqa: E402
+from bench.sampler_support import stop  # noqa: E402
 
 DEFAULT_LATENCIES_MS = "20,35,50"
 DEFAULTS = {"rate": 50.0, "duration": 30.0}
 SIDES = ("fan-out", "routed")
 FALLBACK_REASONS = ("no_adapter", "router_timeout", "router_error", "unparseable")
-WORDS = ("protein folding", "heat transfer in boundary layers", "library cataloguing", "cell membranes",
-         "supersonic flow", "information retrieval evaluation", "vitamin deficiency", "citation indexing")
 
 
 # --------------------------------------------------------------------------- child processes
@@ -107,130 +102,6 @@ async def serve_gateway(spec: dict[str, Any]) -> None:
         else:  # where the publisher writes it
             await writer.close()
     await serve_app(create_app(settings, gateway=build_gateway(settings, stamps=stamps)), settings)
-
-
-# --------------------------------------------------------------------------- measuring
-
-
-def rss_mb(pid: int) -> float:
-    """Resident memory of ``pid`` in MiB (psutil, else /proc/PID/status VmRSS)."""
-    if psutil is not None:
-        return psutil.Process(pid).memory_info().rss / 2**20
-    return _proc_status_kb(pid, "VmRSS") / 1024
-
-
-def hwm_mb(pid: int) -> float | None:
-    """Peak resident memory of ``pid`` in MiB (Linux VmHWM), if known."""
-    try:
-        return _proc_status_kb(pid, "VmHWM") / 1024
-    except (OSError, KeyError):
-        return None
-
-
-def _proc_status_kb(pid: int, field: str) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return float(line.split()[1])
-    raise KeyError(field)
-
-
-def counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text → {(sample name, sorted labels): value} for counters."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.type == "counter":
-            for s in fam.samples:
-                if s.name.endswith("_total"):
-                    out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
-def metric_delta(before: dict, after: dict, name: str, by: str | None = None) -> dict[str, float] | float:
-    """Sum of counter ``name`` over the window, per label ``by`` (or in total)."""
-    per: Counter[str] = Counter()
-    for key, v in after.items():
-        if key[0] == name:
-            label = dict(key[1]).get(by, "") if by else ""
-            per[label] += v - before.get(key, 0.0)
-    return {k: int(round(v)) for k, v in per.items()} if by else int(round(sum(per.values())))
-
-
-def pct(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None, "mean": None}
-    a = np.asarray(values)
-    return {"n": len(values), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99)), "max": float(a.max()), "mean": float(a.mean())}
-
-
-class Window:
-    """What one measured window saw, request by request."""
-
-    def __init__(self) -> None:
-        self.sent = 0
-        self.rows: list[dict[str, Any]] = []
-        self.max_lag_ms = 0.0
-        self.send_s = self.window_s = 0.0
-
-    def latencies(self, mode: str | None = None) -> list[float]:
-        return [r["ms"] for r in self.rows if r["ok"] and (mode is None or r["mode"] == mode)]
-
-
-def request_body(prefix: str, i: int) -> dict[str, str]:
-    return {"query": f"load test query {i} about {WORDS[i % len(WORDS)]}", "query_id": f"{prefix}-q{i}",
-            "request_id": f"{prefix}-{i}"}
-
-
-async def one(http: aiohttp.ClientSession, url: str, body: dict, scheduled: float, win: Window) -> None:
-    loop = asyncio.get_running_loop()
-    row: dict[str, Any] = {"ok": False, "mode": None, "error": None}
-    try:
-        async with http.post(url, json=body) as r:
-            data = await r.json(content_type=None) if r.status == 200 else None
-            if r.status != 200:
-                row["error"] = f"http_{r.status}"
-    except TimeoutError:
-        row["error"] = "client_timeout"
-    except aiohttp.ClientError as exc:
-        row["error"] = type(exc).__name__
-    else:
-        if data is not None:
-            route = data.get("route") or {}
-            row.update(ok=True, mode=data["mode"], calls=[c["provider"] for c in data["candidates"]],
-                       published=data["trace_status"] == "published", fallback=route.get("fallback"),
-                       router_ms=route.get("router_ms"))
-    row["ms"] = (loop.time() - scheduled) * 1000.0
-    win.rows.append(row)
-
-
-async def open_loop(http: aiohttp.ClientSession, url: str, prefix: str, rate: float, duration_s: float,
-                    drain_s: float, win: Window, progress=None) -> None:
-    """Send request i at t0 + i/rate for ``duration_s``, whatever came back; wait for the stragglers."""
-    loop = asyncio.get_running_loop()
-    tasks: set[asyncio.Task] = set()
-    t0 = loop.time()
-    n = int(round(rate * duration_s))
-    for i in range(n):
-        at = t0 + i / rate
-        if (delay := at - loop.time()) > 0:
-            await asyncio.sleep(delay)
-        win.max_lag_ms = max(win.max_lag_ms, (loop.time() - at) * 1000.0)
-        task = asyncio.create_task(one(http, url, request_body(prefix, i), at, win))
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-        win.sent += 1
-        if progress is not None:
-            progress(loop.time() - t0, len(tasks))
-    win.send_s = loop.time() - t0
-    if tasks:
-        _, pending = await asyncio.wait(set(tasks), timeout=drain_s)
-        for task in pending:
-            task.cancel()
-        for _ in pending:
-            win.rows.append({"ok": False, "mode": None, "error": "unfinished", "ms": drain_s * 1000.0})
-    win.window_s = loop.time() - t0
 
 
 # --------------------------------------------------------------------------- one side
@@ -301,12 +172,7 @@ async def run_side(side: str, args: argparse.Namespace, pport: int, router_url: 
             router1 = await _router_stats(http, router_url) if router0 is not None else None
         mem.update(growth=mem["end"] - mem["start"], peak_sampled=max(seen_rss), hwm=hwm_mb(proc.pid))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, 15.0)
         if routed and args.redis != "memory://":
             await _forget_promotion(args.redis, ns)
     log_lines = Path(log.name).read_text().splitlines()
@@ -440,9 +306,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             results[side] = await run_side(side, args, pport, router_url)
     finally:
         for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(timeout=10)
+            stop(p, 10.0)
     return {"kafka": args.kafka, "redis": args.redis, "rate": args.rate, "duration_s": args.duration,
             "warmup_s": args.warmup, "fanout_fraction": args.fanout_fraction,
             "router": {"kind": "fake" if behaviour else "real", "url": router_url, "version": args.router_version,
