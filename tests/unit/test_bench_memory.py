@@ -10,7 +10,7 @@ import pytest
 
 from services.common.dataset import write_jsonl
 from tests.support.tiny_model import build_tiny_model
-from tests.unit.test_trainer import episode
+from tests.support.trainer_runs import episode
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from services.trainer.opsd_data import hint_for, hinted_messages
 from services.trainer.settings import OpsdRun, TrainerSettings, add_arguments
 from tests.support.serving import free_port, served
 from tests.support.tiny_model import build_lora_adapter, build_tiny_model
-from tests.unit.test_trainer import JUDGE, episode, gate
+from tests.support.trainer_runs import JUDGE, episode, gate
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from services.common.adapter_files import ADAPTER_SHA256_HEADER
 from services.sampler.streaming import TextStream
 from tests.support.poll import eventually
-from tests.unit.test_sampler import PROMPT, harness, tiny  # noqa: F401  (the sampler fixtures)
+from tests.support.sampler_harness import PROMPT, harness, tiny  # noqa: F401  (the sampler fixtures)
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 

@@ -13,7 +13,7 @@ from services.common.settings import KafkaSettings, RedisSettings, connection_en
 from services.trainer import launch
 from services.trainer.settings import LoraSettings, OpsdRun, RlRun, TrainerSettings, add_arguments, settings_from_args
 from tests.support.tiny_model import build_tiny_model
-from tests.unit.test_trainer import episode
+from tests.support.trainer_runs import episode
 
 
 @pytest.fixture(autouse=True)
