@@ -41,7 +41,8 @@ class LoopOptions:
     passes: int = 1  # at most this many chained one-pass runs, each from the previous adapter (--init-adapter)
     # which pass is published: "route" — the best by the gateway's objective on the trainer's own eval episodes
     # (share routed into the judge's top tier − λ · cost: pass_utility), stopping early once a pass from
-    # min_passes on scores below the best before it; "last" — every pass runs and the last is published
+    # min_passes on scores more than one eval episode below the best before it; "last" — every pass runs and
+    # the last is published
     select_pass: Literal["route", "last"] = "route"
     min_passes: int = 2  # a second pass added +0.04 in every recipe (bench/sft_recipes.py): never stop before it
     batch_size: int = 8
@@ -152,12 +153,19 @@ def pass_utility(final: Mapping[str, Any], cost_weight: float) -> float | None:
     return float(best) - cost_weight * float(final.get("test/route_cost") or 0.0)
 
 
-def stop_after(utilities: Sequence[float | None], min_passes: int) -> bool:
-    """Whether to stop after the latest pass: it is at least the ``min_passes``-th and scored below the best
-    pass before it (patience 1; an unmeasured pass never stops the chain)."""
+def stop_after(utilities: Sequence[float | None], min_passes: int, margin: float = 0.0) -> bool:
+    """Whether to stop after the latest pass: it is at least the ``min_passes``-th and scored more than
+    ``margin`` below the best pass before it (patience 1; an unmeasured pass never stops the chain)."""
     earlier = [u for u in utilities[:-1] if u is not None]
     return (len(utilities) >= max(min_passes, 2) and utilities[-1] is not None and bool(earlier)
-            and utilities[-1] < max(earlier))
+            and utilities[-1] < max(earlier) - margin)
+
+
+def one_query(final: Mapping[str, Any]) -> float:
+    """What one eval episode moves a pass's top-tier share by (1 / ``test/route_n``): a pass worse by less is
+    within the noise of its few eval episodes and does not stop the chain."""
+    n = final.get("test/route_n")
+    return 1.0 / float(n) if isinstance(n, (int, float)) and n > 0 else 0.0
 
 
 def chosen_pass(utilities: Sequence[float | None]) -> int:
@@ -199,8 +207,9 @@ def _train(kafka: KafkaSettings, redis: RedisSettings, train_file: Path, publish
         utilities.append(pass_utility(results[-1].get("final") or {}, opts.cost_weight))
         if utilities[-1] is not None:
             print(f"      pass {k + 1}: top tier − λ·cost on the trainer's eval episodes = {utilities[-1]:.3f}", flush=True)
-        if opts.select_pass == "route" and stop_after(utilities, opts.min_passes):
-            print(f"      stopping early: pass {k + 1} scored below pass {chosen_pass(utilities) + 1}", flush=True)
+        if opts.select_pass == "route" and stop_after(utilities, opts.min_passes, one_query(results[-1].get("final") or {})):
+            print(f"      stopping early: pass {k + 1} scored more than one eval episode below pass "
+                  f"{chosen_pass(utilities) + 1}", flush=True)
             break
     assert settings is not None, "passes must be at least 1"
     pick = chosen_pass(utilities) if opts.select_pass == "route" else len(results) - 1

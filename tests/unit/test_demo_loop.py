@@ -143,8 +143,20 @@ def _fake_passes(monkeypatch, tmp_path, finals: list[dict]) -> tuple[list, list]
     return runs, published
 
 
-def _route(best: float, cost: float) -> dict:
-    return {"test/route_best": best, "test/route_cost": cost, "train/loss": 0.1}
+def _route(best: float, cost: float, n: int | None = None) -> dict:
+    return {"test/route_best": best, "test/route_cost": cost, "train/loss": 0.1, **({"test/route_n": n} if n else {})}
+
+
+def test_a_pass_worse_by_less_than_one_eval_episode_does_not_stop_the_chain(monkeypatch, tmp_path):
+    from services.common.settings import KafkaSettings, RedisSettings
+    from services.tools.demo_loop import LoopOptions, _train
+
+    # 38 eval episodes: pass 2 is 0.002 below pass 1 (under 1/38), so pass 3 runs and, best, is published
+    finals = [_route(0.90, 0.001, 38), _route(0.898, 0.001, 38), _route(0.95, 0.001, 38)]
+    runs, published = _fake_passes(monkeypatch, tmp_path, finals)
+    result = _train(KafkaSettings(bootstrap_servers="memory://"), RedisSettings(url="memory://"),
+                    tmp_path / "episodes.jsonl", "http://127.0.0.1:9", tmp_path, LoopOptions(passes=3))
+    assert len(runs) == 3 and result["pass"] == 3 and published[0][2] == "3"
 
 
 def test_chained_passes_start_each_run_from_the_previous_adapter_and_the_best_by_routing_is_published(
@@ -168,7 +180,7 @@ def test_chained_passes_start_each_run_from_the_previous_adapter_and_the_best_by
 
 def test_the_last_pass_is_published_when_asked_and_unmeasured_passes_never_stop_the_chain(monkeypatch, tmp_path):
     from services.common.settings import KafkaSettings, RedisSettings
-    from services.tools.demo_loop import LoopOptions, _train, chosen_pass, pass_utility, stop_after
+    from services.tools.demo_loop import LoopOptions, _train, chosen_pass, one_query, pass_utility, stop_after
 
     finals = [_route(0.9, 0.0), _route(0.5, 0.0), _route(0.6, 0.0)]
     runs, published = _fake_passes(monkeypatch, tmp_path, finals)
@@ -179,6 +191,8 @@ def test_the_last_pass_is_published_when_asked_and_unmeasured_passes_never_stop_
     assert pass_utility({"train/loss": 0.1}, 150.0) is None and pass_utility(_route(0.9, 0.001), 150.0) == 0.75
     assert not stop_after([0.9, None], 2) and not stop_after([0.9], 1)  # nothing to compare with
     assert not stop_after([0.9, 0.5], 3) and stop_after([0.9, 0.5], 2)  # never before min_passes
+    assert not stop_after([0.747, 0.745], 2, 1 / 38) and stop_after([0.747, 0.70], 2, 1 / 38)  # within one episode
+    assert one_query({"test/route_n": 38.0}) == 1 / 38 and one_query({}) == 0.0
     assert chosen_pass([None, None]) == 1 and chosen_pass([0.5, 0.7, 0.7]) == 2  # a tie goes to the later pass
 
 
