@@ -86,6 +86,23 @@ def chat_messages(ep: Episode) -> list[dict[str, str]]:
 TARGETS = ("ordering", "first", "top-tier")
 
 
+def _last_answer(ep: Episode) -> tuple[int, list[list[str]] | None]:
+    """The index of the last assistant turn and its ordering as tiers (None when it does not parse)."""
+    from services.common.ndcg import parse_ordering
+
+    last = max(i for i, m in enumerate(ep.messages) if m.role == "assistant")
+    try:
+        return last, parse_ordering(ep.messages[last].content)
+    except ValueError:
+        return last, None
+
+
+def _answering(ep: Episode, last: int, text: str, **update: str) -> Episode:
+    """``ep`` with the turn at ``last`` saying ``text`` (and ``update``'s other fields)."""
+    messages = (*ep.messages[:last], ep.messages[last].model_copy(update={"content": text}), *ep.messages[last + 1:])
+    return ep.model_copy(update={"messages": messages, **update})
+
+
 def retarget(ep: Episode, target: str) -> Episode:
     """``ep`` with its last assistant turn reduced to ``target`` (:data:`TARGETS`); an answer that does not
     parse as an ordering, or ``ordering`` itself, leaves the episode as it is.
@@ -97,17 +114,12 @@ def retarget(ep: Episode, target: str) -> Episode:
         raise ValueError(f"unknown target {target!r}; one of {', '.join(TARGETS)}")
     if target == "ordering":
         return ep
-    from services.common.ndcg import format_ordering, parse_ordering
+    from services.common.ndcg import format_ordering
 
-    last = max(i for i, m in enumerate(ep.messages) if m.role == "assistant")
-    try:
-        tiers = parse_ordering(ep.messages[last].content)
-    except ValueError:
+    last, tiers = _last_answer(ep)
+    if tiers is None:
         return ep
-    text = tiers[0][0] if target == "first" else format_ordering([tiers[0]], keep_tier_order=True)
-    messages = (*ep.messages[:last], ep.messages[last].model_copy(update={"content": text}), *ep.messages[last + 1:])
-    return ep.model_copy(update={"messages": messages})
-
+    return _answering(ep, last, tiers[0][0] if target == "first" else format_ordering([tiers[0]], keep_tier_order=True))
 
 
 def tie_variants(ep: Episode, smoothing: float) -> list[tuple[Episode, float]]:
@@ -123,24 +135,14 @@ def tie_variants(ep: Episode, smoothing: float) -> list[tuple[Episode, float]]:
     if not 0 <= smoothing < 1:
         raise ValueError(f"smoothing must be in [0, 1), got {smoothing}")
     first = retarget(ep, "first")
-    if smoothing == 0:
-        return [(first, 1.0)]
-    from services.common.ndcg import parse_ordering
-
-    last = max(i for i, m in enumerate(ep.messages) if m.role == "assistant")
-    try:
-        tiers = parse_ordering(ep.messages[last].content)
-    except ValueError:
-        return [(first, 1.0)]
+    last, tiers = _last_answer(ep) if smoothing else (0, None)
     top = list(dict.fromkeys(tiers[0])) if tiers else []
     if len(top) < 2:
         return [(first, 1.0)]
     k = len(top)
-    out = [(first, 1 - smoothing + smoothing / k)]
-    for name in top[1:]:
-        messages = (*ep.messages[:last], ep.messages[last].model_copy(update={"content": name}), *ep.messages[last + 1:])
-        out.append((ep.model_copy(update={"messages": messages, "episode_id": f"{ep.episode_id}#{name}"}), smoothing / k))
-    return out
+    return [(first, 1 - smoothing + smoothing / k),
+            *((_answering(ep, last, name, episode_id=f"{ep.episode_id}#{name}"), smoothing / k) for name in top[1:])]
+
 
 @dataclass(frozen=True, order=True)
 class JudgeKey:
