@@ -153,6 +153,10 @@ def test_cli_dry_run_and_invalid_settings(make_settings, capsys) -> None:
     assert '"r": 4' in capsys.readouterr().out
     assert run(parser.parse_args(["train", "--batch-size", "0"])) == 2
     assert "batch_size" in capsys.readouterr().err
+    assert run(parser.parse_args(["train", "--tie-smoothing", "2"])) == 2  # bounded, named
+    assert "tie_smoothing" in capsys.readouterr().err
+    assert run(parser.parse_args(["train", "--tie-smoothing", "0.3", "--target", "ordering"])) == 2
+    assert "applies to target first only" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- checkpoints and learning
