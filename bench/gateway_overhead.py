@@ -139,14 +139,21 @@ def trace_bytes(metrics_text: str) -> float | None:
 
 def routed_count(metrics_text: str, before: str = "") -> dict[str, float]:
     """Routed requests by path (``router`` / ``fallback``, from ``fanroute_gateway_routed_total``) and
-    fallbacks by reason (``fallback:<reason>``), less those already counted in ``before``."""
+    fallbacks by reason (``fallback:<reason>``), less those already counted in ``before``. Read by sample
+    name, whatever the family's type line says (several workers' merged metrics may have none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"fanroute_gateway_routed_total": ("path", ""),
+              "fanroute_gateway_route_fallbacks_total": ("reason", "fallback:")}
+
     def counts(text: str) -> dict[str, float]:
-        out = {}
-        for line in text.splitlines():
-            for family, label, prefix in (("fanroute_gateway_routed_total{", "path", ""),
-                                          ("fanroute_gateway_route_fallbacks_total{", "reason", "fallback:")):
-                if line.startswith(family):
-                    out[prefix + line.split(f'{label}="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in wanted:
+                    label, prefix = wanted[sample.name]
+                    key = prefix + sample.labels.get(label, "")
+                    out[key] = out.get(key, 0.0) + sample.value
         return out
 
     now, then = counts(metrics_text), counts(before)

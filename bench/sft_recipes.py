@@ -113,19 +113,33 @@ def _taus(text: str) -> list[float]:
     return taus
 
 
+def _bounded(kind: type, low: float, high: float) -> Any:
+    """An argparse type: ``kind(text)`` within ``low..high``, else a message naming the bounds."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be within {low:g}..{high:g}, got {text}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=Path, required=True, help="The TRAINING split's episodes (JSONL)")
     ap.add_argument("--traces", type=Path, required=True, help="Fan-out traces covering those episodes (JSONL)")
     ap.add_argument("--recipes", default="first,balanced", help=f"Comma-separated, of: {', '.join(RECIPES)}")
-    ap.add_argument("--passes", type=int, default=4)
-    ap.add_argument("--val-fraction", type=float, default=0.25)
+    ap.add_argument("--passes", type=_bounded(int, 1, 100), default=4)
+    ap.add_argument("--val-fraction", type=_bounded(float, 0.01, 0.9), default=0.25)
     ap.add_argument("--hedge", type=_taus, default=[], help="comma-separated τ: rows of each router handing queries whose top "
                     "probability is below τ to the best single provider")
     ap.add_argument("--decision", choices=("top-tier", "first-choice"), default=DEMO.decision,
                     help="how every router row decides, as the gateway does (default: the demo's)")
-    ap.add_argument("--cost-weight", type=float, default=DEMO.cost_weight,
-                    help="λ, quality per USD, of every router row's decision (default: the demo's)")
+    ap.add_argument("--cost-weight", type=_bounded(float, 0, 1e6), default=DEMO.cost_weight,
+                    help="λ, quality per USD, of every router row's decision, 0..1e6 as the gateway's "
+                         "routing.cost_weight (default: the demo's)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-sft-recipes"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/sft_recipes.json")
     args = ap.parse_args(argv)

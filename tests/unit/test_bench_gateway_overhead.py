@@ -71,3 +71,6 @@ def test_routed_counts_are_the_measured_requests_with_fallbacks_by_reason():
            'fanroute_gateway_route_fallbacks_total{reason="timeout"} 1.0\n')
     assert routed_count(end, warm) == {"router": 27.0, "fallback": 1.0, "fallback:timeout": 1.0}
     assert routed_count(end)["fallback:no_adapter"] == 5.0
+    typed = ("# HELP fanroute_gateway_routed_total Routed requests by path\n"
+             "# TYPE fanroute_gateway_routed_total counter\n" + end)  # one worker's exposition has type lines
+    assert routed_count(typed, warm) == routed_count(end, warm)

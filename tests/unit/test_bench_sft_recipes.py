@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from services.common.prompt import providers_of
 from tests.support.records import episode
 
@@ -38,3 +40,15 @@ def test_rows_pick_as_the_gateway_does():
     rates = {"aero": {"aero": 1.0, "web-lexical": 0.9}, "web-lexical": {"web-lexical": 1.0}}
     assert gateway_picks(probs, cost, 0.0, rates) == {"e1": "web-lexical"}
     assert gateway_picks(probs, cost, 300.0, rates) == {"e1": "aero"}  # ... and λ prices it out
+
+
+@pytest.mark.parametrize("flag, value, says", [("--cost-weight", "-1", "0..1e+06"), ("--cost-weight", "abc", "not a number"),
+                                               ("--passes", "0", "1..100"), ("--val-fraction", "1.5", "0.01..0.9")])
+def test_a_bad_number_is_refused_naming_the_flag(tmp_path: Path, capsys, flag: str, value: str, says: str):
+    from bench.sft_recipes import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--episodes", str(tmp_path / "e.jsonl"), "--traces", str(tmp_path / "t.jsonl"), flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and says in err
