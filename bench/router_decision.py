@@ -116,12 +116,15 @@ async def decide(http: aiohttp.ClientSession, base: str, path: str, case: Case,
 
 
 async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: list[Case], names: list[str],
-                      concurrency: int, progress_every: int, prompt_logprobs: bool = False) -> dict[str, Any]:
-    """``len(cases)`` decisions by ``concurrency`` workers, each sending its next one as soon as it has an answer."""
+                      concurrency: int, progress_every: int, prompt_logprobs: bool = False,
+                      round_size: int = 0) -> dict[str, Any]:
+    """``len(cases)`` decisions by ``concurrency`` workers, each sending its next one as soon as it has an answer;
+    with ``round_size``, also the p50 of each round of that many cases (the spread within one run)."""
     from services.router.client import RouterClient
 
     queue = list(enumerate(cases))
     lat: list[float] = []
+    lat_of: list[float] = [0.0] * len(cases)
     chosen: list[str | None] = [None] * len(cases)
     tokens: list[int] = []
     t0 = time.perf_counter()
@@ -136,6 +139,7 @@ async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: 
             i, case = queue.pop(0)
             ms, choice, n = await decide(http, base, path, case, names, client)
             lat.append(ms)
+            lat_of[i] = ms
             chosen[i] = choice
             tokens.append(n)
             if progress_every and len(lat) % progress_every == 0:
@@ -148,7 +152,9 @@ async def closed_loop(http: aiohttp.ClientSession, base: str, path: str, cases: 
         if client is not None:
             await client.close()
     wall = time.perf_counter() - t0
+    rounds = [lat_of[r:r + round_size] for r in range(0, len(cases), round_size)] if round_size else []
     return {**pct(lat), "decisions_per_s": len(lat) / wall, "wall_s": wall,
+            "round_p50": [float(np.percentile(r, 50)) for r in rounds if r],
             "completion_tokens_mean": float(np.mean(tokens)),
             "undecided": sum(c is None for c in chosen), "chosen": chosen}
 
@@ -212,7 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     before = [await metric(f"fanroute_sampler_score_batch_requests_{x}") or 0 for x in ("count", "sum")]
                     measured = cases[args.warmup:]
                     res = await closed_loop(http, base, path, measured * args.rounds, names, level, args.progress,
-                                            args.first_token_prompt_logprobs)
+                                            args.first_token_prompt_logprobs, round_size=len(measured))
                     after = [await metric(f"fanroute_sampler_score_batch_requests_{x}") or 0 for x in ("count", "sum")]
                     res["chosen"] = res["chosen"][:len(measured)]  # decisions compared on the first round
                     res["forwards"] = after[0] - before[0]  # scoring batches (one forward each, or a few)
@@ -270,8 +276,11 @@ def report(out: dict[str, Any]) -> None:
     for level in out["concurrency"]:
         for path in [p for p in PATHS if f"{p}@{level}" in out["results"]]:
             r = out["results"][f"{path}@{level}"]
+            rounds = r.get("round_p50") or []
+            spread = f"   rounds' p50 {min(rounds):.0f}-{max(rounds):.0f}" if len(rounds) > 1 else ""
             print(f"{path:<10}{level:>5}{r['p50']:>10.0f}{r['p99']:>10.0f}{r['mean']:>10.0f}"
-                  f"{r['decisions_per_s']:>8.1f}{r['completion_tokens_mean']:>8.1f}{r['requests_per_forward']:>8.1f}")
+                  f"{r['decisions_per_s']:>8.1f}{r['completion_tokens_mean']:>8.1f}{r['requests_per_forward']:>8.1f}"
+                  + spread)
         ratio = out["ratio_generate_over_score"].get(str(level))
         if ratio:
             print(f"{'ratio':<10}{level:>5}{ratio['p50']:>9.1f}x{ratio['p99']:>9.1f}x   (generate / score)")

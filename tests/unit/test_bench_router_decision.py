@@ -80,6 +80,9 @@ def test_rounds_repeat_the_queries_and_count_requests_per_forward(tmp_path):
     assert out["rounds"] == 2 and out["settings"]["score_batch_max_wait_ms"] == 10.0
     for r in out["results"].values():
         assert r["n"] == 18 and r["forwards"] >= 1 and 1 <= r["requests_per_forward"] <= 3
+        assert len(r["round_p50"]) == 2  # one p50 per round; two equal rounds' medians bracket the whole's
+        assert min(r["round_p50"]) - 1e-6 <= r["p50"] <= max(r["round_p50"]) + 1e-6
+        assert all(0 < x <= r["max"] for x in r["round_p50"])
     assert out["agreement_first_token_vs_score"]["n"] == 9
 
 
