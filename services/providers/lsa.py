@@ -31,7 +31,8 @@ OVERSAMPLE = 20
 def lsa_params(dim: int, lead_chars: int | None) -> dict[str, str | int]:
     """The cache-key parameters of an LSA index."""
     params: dict[str, str | int] = {"dim": dim, "weighting": "log-tf.idf, l2", "svd": f"randomized-{POWER_ITERATIONS}-{OVERSAMPLE}-{SVD_SEED}",
-                                    "stemmer": idx.STEMMER_LANGUAGE, "stopwords": idx.STOPWORDS}
+                                    "stemmer": idx.STEMMER_LANGUAGE, "stopwords": idx.STOPWORDS,
+                                    "vocab": "sorted"}  # indexes built in hash order (before 2026-12-06) are not reused
     if lead_chars is not None:
         params["lead_chars"] = lead_chars
     return params
@@ -42,10 +43,10 @@ def build_lsa(path: Path, docs: Sequence[Doc], *, dim: int, lead_chars: int | No
     import scipy.sparse as sp
 
     tokens = idx.tokenize_docs(docs, lead_chars)
-    vocab: dict[str, int] = dict(tokens.vocab)
+    vocab, remap = sorted_vocab(tokens.vocab)
     rows, cols, counts = [], [], []
     for row, ids in enumerate(tokens.ids):
-        uniq, n = np.unique(np.asarray(ids, dtype=np.int64), return_counts=True)
+        uniq, n = np.unique(remap[np.asarray(ids, dtype=np.int64)], return_counts=True)
         rows.extend([row] * len(uniq))
         cols.extend(uniq.tolist())
         counts.extend(n.tolist())
@@ -66,6 +67,20 @@ def build_lsa(path: Path, docs: Sequence[Doc], *, dim: int, lead_chars: int | No
     (path / VOCAB_FILE).write_text(json.dumps(vocab))
     idx.write_doc_keys(path, docs)
     return {"docs": len(docs), "vocab": len(vocab), "dim": k}
+
+
+def sorted_vocab(vocab: dict[str, int]) -> tuple[dict[str, int], np.ndarray]:
+    """``vocab`` renumbered in the terms' sorted order, and the old id → new id map.
+
+    Why: bm25s numbers terms in the order of a Python set, which changes with every process's string
+    hashing (``PYTHONHASHSEED``). The seeded random projection of :func:`randomized_svd` then met the
+    columns in another order in every build, so each machine built other factors, its LSA providers
+    ranked differently, and the judge's labels — and the demo's student — differed from run to run."""
+    terms = sorted(vocab)
+    remap = np.empty(max(vocab.values(), default=-1) + 1, dtype=np.int64)
+    for new_id, term in enumerate(terms):
+        remap[vocab[term]] = new_id
+    return {term: i for i, term in enumerate(terms)}, remap
 
 
 def randomized_svd(x_DV, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -232,3 +232,32 @@ def test_a_corrupt_embedding_cache_is_a_clear_error_and_leaves_the_file(tmp_path
     with pytest.raises(ConfigError, match="embeddings.sqlite cannot be used"):
         EmbeddingCache(path, "m")
     assert path.read_bytes().startswith(b"this is not a database")  # nothing overwritten
+
+
+def test_an_lsa_build_does_not_depend_on_the_process_string_hashing(tmp_path: Path):
+    """bm25s numbers terms in a set's order, which changes with PYTHONHASHSEED; the LSA factors (and so
+    every LSA provider's ranking, the judge's labels and the demo's student) must not."""
+    import os
+    import subprocess
+    import sys
+
+    from services.providers.lsa import DOCS_FACTORS_FILE, IDF_FILE, TERM_FACTORS_FILE, VOCAB_FILE
+
+    code = ("import sys; from pathlib import Path; "
+            "from services.providers.collections import default_collections_dir, load_corpus; "
+            "from services.providers.lsa import build_lsa; out = Path(sys.argv[1]); out.mkdir(); "
+            "build_lsa(out, list(load_corpus(default_collections_dir(), 'med')), dim=32, lead_chars=None)")
+    root = Path(__file__).resolve().parents[2]
+    for seed in ("1", "2"):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / seed)], cwd=root, check=True,
+                       env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)})
+    for name in (VOCAB_FILE, IDF_FILE, DOCS_FACTORS_FILE, TERM_FACTORS_FILE):
+        assert (tmp_path / "1" / name).read_bytes() == (tmp_path / "2" / name).read_bytes(), name
+
+
+def test_the_lsa_vocabulary_is_numbered_in_sorted_order():
+    from services.providers.lsa import sorted_vocab
+
+    vocab, remap = sorted_vocab({"wing": 0, "aero": 2, "drag": 1})
+    assert vocab == {"aero": 0, "drag": 1, "wing": 2}
+    assert remap.tolist() == [2, 1, 0]  # old id → new id
