@@ -215,7 +215,9 @@ def fit(episodes: Sequence[Episode], *, seed: int = 0, folds: int = 5) -> Linear
     """Fit on the episodes' queries and first choices; C by stratified cross-validation on them."""
     from sklearn.model_selection import StratifiedKFold, cross_val_score
 
-    rows = [(query_of(ep), label, providers_of(ep)) for ep in episodes if (label := first_choice(ep))]
+    # sorted by content: the folds are shuffled from the rows' order, and episodes come in the order of their
+    # ids, which derive from random trace ids, so the same judged traffic would pick another C run to run
+    rows = sorted((query_of(ep), label, providers_of(ep)) for ep in episodes if (label := first_choice(ep)))
     if len(rows) < 10:
         raise LinearRouterError(f"{len(rows)} episodes with a readable ordering: too few to fit a linear router")
     queries, labels = [q for q, _, _ in rows], [lab for _, lab, _ in rows]

@@ -205,10 +205,20 @@ def query_fraction(ep: Episode) -> float:
     return int(digest[:12], 16) / 16**12
 
 
+def content_key(ep: Episode) -> tuple[str, tuple[str, ...], str]:
+    """What an episode says (its query, then every turn), its id last: the order batches are drawn in.
+
+    Why not the id alone: an episode's id derives from its trace's id, a random one per request, so two
+    runs over the same judged traffic sorted the same episodes differently, and the seeded shuffle then
+    gave them other batches and another adapter."""
+    return query_of(ep), tuple(m.content for m in ep.messages), ep.episode_id
+
+
 def split_by_query(episodes: Sequence[Episode], eval_fraction: float) -> tuple[list[Episode], list[Episode]]:
-    """(train, held out): a query is held out when its hash fraction is below ``eval_fraction``."""
+    """(train, held out), each in :func:`content_key` order: a query is held out when its hash fraction
+    is below ``eval_fraction``."""
     train, held = [], []
-    for ep in episodes:
+    for ep in sorted(episodes, key=content_key):
         (held if query_fraction(ep) < eval_fraction else train).append(ep)
     return train, held
 

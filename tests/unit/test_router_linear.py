@@ -49,6 +49,19 @@ def test_it_learns_the_first_choice_and_scores_log_probabilities() -> None:
     assert ordering[0] == "biomed" and set(ordering) == set(PROVIDERS) and ms > 0
 
 
+def test_the_same_episodes_in_another_order_fit_the_same_router() -> None:
+    """Episodes arrive in the order of their (random) ids; the cross-validation folds must not follow it."""
+    import random
+
+    eps = _episodes(n_per=10)
+    shuffled = eps[:]
+    random.Random(7).shuffle(shuffled)
+    a, b = linear.fit(eps, seed=0), linear.fit(shuffled, seed=0)
+    assert (a.c, a.cv_accuracy) == (b.c, b.cv_accuracy)
+    for q in ("supersonic flow over a wing", "enzyme in heart cells", "a study of both"):
+        assert a.scores(q, PROVIDERS) == b.scores(q, PROVIDERS)
+
+
 def test_cost_weight_moves_the_decision_like_the_scoring_router() -> None:
     router = linear.fit(_episodes(), seed=0)
     q = "wing"  # weak evidence: the two labels are close

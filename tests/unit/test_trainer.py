@@ -79,6 +79,24 @@ def test_split_is_by_query_not_by_episode() -> None:
     assert not {e.messages[1].content for e in train_eps} & {e.messages[1].content for e in held}
 
 
+def test_episodes_are_ordered_by_what_they_say_not_by_their_ids() -> None:
+    """An episode's id comes from its trace's random id: the same judged traffic twice must split and
+    order the same, or the seeded batches (and the adapter) differ from run to run."""
+    eps = [episode(i, query=f"query number {i}") for i in range(20)]
+    renamed = [e.model_copy(update={"episode_id": f"z{i:02d}"}) for i, e in enumerate(reversed(eps))]
+    said = lambda split: [[m.content for m in e.messages] for e in split]  # noqa: E731
+    for mine, theirs in zip(split_by_query(eps, 0.3), split_by_query(renamed, 0.3), strict=True):
+        assert said(mine) == said(theirs)
+
+
+def test_the_same_traffic_under_other_ids_trains_on_the_same_batches(make_settings) -> None:
+    eps = [episode(i, query=f"query number {i}") for i in range(24)]
+    renamed = [e.model_copy(update={"episode_id": f"z{i:02d}"}) for i, e in enumerate(reversed(eps))]
+    plans = [plan_run(make_settings(x)) for x in (eps, renamed)]
+    batches = [[[p.examples[i].input_ids for i in batch] for batch in p.batches] for p in plans]
+    assert batches[0] == batches[1] and len(batches[0]) > 1
+
+
 def test_judge_key_and_providers_come_from_the_episode() -> None:
     key = judge_key_of("ndcg:openai:gpt-4o:abcd1234")
     assert (key.judge_model, key.rubric_prefix) == ("openai:gpt-4o", "abcd1234")
