@@ -139,25 +139,13 @@ def trace_bytes(metrics_text: str) -> float | None:
 
 def routed_count(metrics_text: str, before: str = "") -> dict[str, float]:
     """Routed requests by path (``router`` / ``fallback``, from ``fanroute_gateway_routed_total``) and
-    fallbacks by reason (``fallback:<reason>``), less those already counted in ``before``. Read by sample
-    name, whatever the family's type line says (several workers' merged metrics may have none)."""
-    from prometheus_client.parser import text_string_to_metric_families
+    fallbacks by reason (``fallback:<reason>``), less those already counted in ``before``."""
+    from bench.open_loop import counters, metric_delta
 
-    wanted = {"fanroute_gateway_routed_total": ("path", ""),
-              "fanroute_gateway_route_fallbacks_total": ("reason", "fallback:")}
-
-    def counts(text: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name in wanted:
-                    label, prefix = wanted[sample.name]
-                    key = prefix + sample.labels.get(label, "")
-                    out[key] = out.get(key, 0.0) + sample.value
-        return out
-
-    now, then = counts(metrics_text), counts(before)
-    return {k: v - then.get(k, 0.0) for k, v in now.items() if v - then.get(k, 0.0)}
+    now, then = counters(metrics_text), counters(before)
+    paths = metric_delta(then, now, "fanroute_gateway_routed_total", by="path")
+    reasons = metric_delta(then, now, "fanroute_gateway_route_fallbacks_total", by="reason")
+    return {k: float(v) for k, v in (paths | {f"fallback:{r}": n for r, n in reasons.items()}).items() if v}
 
 
 def kafka_for(choice: str | None) -> str | None:

@@ -45,12 +45,13 @@ def _proc_status_kb(pid: int, field: str) -> float:
 
 
 def counters(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text → {(sample name, sorted labels): value} for counters."""
+    """Prometheus text → {(sample name, sorted labels): value} for counters, typed or not (several gateway
+    workers' merged metrics carry no type lines: a ``_total`` sample of an untyped family counts too)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out = {}
     for fam in text_string_to_metric_families(text):
-        if fam.type == "counter":
+        if fam.type in ("counter", "unknown"):
             for s in fam.samples:
                 if s.name.endswith("_total"):
                     out[(s.name, tuple(sorted(s.labels.items())))] = s.value
