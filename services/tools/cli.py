@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--out", type=Path, default=None, help="report directory (default out/demo)")
     d.add_argument("--passes", type=int, default=None,
                    help="chained one-pass training runs, each starting from the previous adapter (1..5; "
-                        "default: DemoOptions.passes, 4)")
+                        "default: DemoOptions.passes, 3)")
     d.add_argument("--select-pass", choices=("route", "last"), default="route",
                    help="which pass is published: the one that routes best on the trainer's eval episodes (top "
                         "tier − λ·cost; stops early once a pass from the second on is worse), or the last")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,22 @@ def due(every: int, step: int, last: int) -> bool:
     """Whether a periodic action (checkpoint, eval) runs after ``step``: every ``every`` steps (0 = never),
     but not after the last step, whose save and eval every run does anyway."""
     return bool(every) and step % every == 0 and step < last
+
+
+def after_step(step: int, last: int, checkpoint_every: int, eval_every: int,
+               save: Callable[[int], object], evaluate: Callable[[int], object]) -> None:
+    """The periodic checkpoint and eval after ``step`` (:func:`due`), in that order."""
+    if due(checkpoint_every, step, last):
+        save(step)
+    if due(eval_every, step, last):
+        evaluate(step)
+
+
+def at_end(start: int, last: int, save: Callable[[int], object], evaluate: Callable[[int], object]) -> None:
+    """The last step's checkpoint (unless the run resumed at its end: nothing new to save) and eval."""
+    if start < last:
+        save(last)
+    evaluate(last)
 
 
 def resumable(output_dir: Path, resume: bool) -> Path | None:

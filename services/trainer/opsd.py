@@ -363,13 +363,8 @@ def train_opsd(settings: TrainerSettings, *, episodes: Sequence[Episode] | None 
             f"reward {rec['reward']:.3f} loss {rec['loss']:.4f} grad_norm {rec['grad_norm']:.3f} "
             f"tok/s {rec['tokens_per_s']:.0f} sampled v{sampled} -> v{version} (staleness {rec['staleness']}) "
             f"({rec['step_time_s']:.1f}s, {rec['epoch']:.2f} of a pass)")
-        if ckpt.due(s.checkpoint_every, step, plan.steps):
-            save(step)
-        if ckpt.due(s.eval_every, step, plan.steps):
-            run_eval(step)
-    if start < plan.steps:
-        save(plan.steps)
-    run_eval(plan.steps)
+        ckpt.after_step(step, plan.steps, s.checkpoint_every, s.eval_every, save, run_eval)
+    ckpt.at_end(start, plan.steps, save, run_eval)
     adapter_dir = _save_adapter(model, output_dir / "adapter", inherited_rates(s.init_adapter))
     final |= {"steps": plan.steps, "episodes": len(plan.examples), "served": served, "version": version,
               "allow_uncalibrated": s.allow_uncalibrated, "uncalibrated_episodes": plan.uncalibrated_episodes,

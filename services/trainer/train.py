@@ -402,13 +402,8 @@ def train(settings: TrainerSettings, *, episodes: Sequence[Episode] | None = Non
         if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
             raise DivergedError(f"step {step}: loss {rec['loss']} / grad norm {rec['grad_norm']} is not finite; "
                                 f"stopped without saving or publishing (metrics in {output_dir / 'metrics.jsonl'})")
-        if ckpt.due(s.checkpoint_every, step, plan.steps):
-            save(step)
-        if ckpt.due(s.eval_every, step, plan.steps):
-            run_eval(step)
-    if start < plan.steps:
-        save(plan.steps)
-    run_eval(plan.steps)
+        ckpt.after_step(step, plan.steps, s.checkpoint_every, s.eval_every, save, run_eval)
+    ckpt.at_end(start, plan.steps, save, run_eval)
     adapter_dir = _save_adapter(model, output_dir / "adapter", rates_json(plan.rates, len(plan.train_episodes)))
     final |= {"steps": plan.steps, "episodes": len(plan.examples) - plan.counts.get("tie_variants", 0),
               "allow_uncalibrated": s.allow_uncalibrated,

@@ -108,7 +108,7 @@ def test_select_pass_reaches_the_demo_options(monkeypatch):
     monkeypatch.setattr(demo, "run_demo", fake_run)
     assert main(["demo", "--select-pass", "last", "--passes", "2"]) == 0
     assert main(["demo"]) == 0
-    assert [(o.select_pass, o.passes) for o in seen] == [("last", 2), ("route", 4)]
+    assert [(o.select_pass, o.passes) for o in seen] == [("last", 2), ("route", 3)]
 
 
 def _fake_passes(monkeypatch, tmp_path, finals: list[dict]) -> tuple[list, list]:

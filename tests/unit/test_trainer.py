@@ -281,3 +281,23 @@ def test_run_kind_is_a_discriminated_union() -> None:
         TrainerSettings(run={"type": "dpo"})  # not a run kind
     with pytest.raises(ValidationError, match="reward_min"):
         TrainerSettings(run={"reward_min": 0.9, "reward_max": 0.1})
+
+
+def test_periodic_saves_and_evals_follow_their_intervals_and_the_end_saves_once() -> None:
+    from services.trainer import checkpoint as ckpt
+
+    calls: list[tuple[str, int]] = []
+
+    def save(step: int) -> None:
+        calls.append(("save", step))
+
+    def evaluate(step: int) -> None:
+        calls.append(("eval", step))
+
+    for step in range(1, 7):
+        ckpt.after_step(step, 6, 2, 3, save, evaluate)
+    ckpt.at_end(0, 6, save, evaluate)
+    assert calls == [("save", 2), ("eval", 3), ("save", 4), ("save", 6), ("eval", 6)]
+    calls.clear()
+    ckpt.at_end(6, 6, save, evaluate)  # resumed at its last step: nothing new to save, the eval still runs
+    assert calls == [("eval", 6)]
