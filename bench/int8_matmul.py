@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def measure(rows: int, reps: int) -> dict[str, dict[str, float]]:
     from services.sampler.merged import pack_weight, packed_linear
 
     torch.manual_seed(0)
+    warnings.filterwarnings("ignore", message=".*quantize_per_tensor.*deprecated")  # the quantized dtypes' notice
     out: dict[str, dict[str, float]] = {}
     for name, (n_out, n_in) in MATMULS.items():
         w = torch.randn(n_out, n_in) * 0.05
