@@ -64,7 +64,9 @@ class HeldOut:
 
 
 def held_out(traces: Iterable[Trace], episodes: Sequence[Episode], *, require: str | None = None) -> HeldOut:
-    """Fan-out traces whose normalised query is no training episode's user turn (one per trace id).
+    """Fan-out traces whose normalised query is no training episode's user turn (one per trace id), in the
+    order of their queries (then ids), not of their arrival: the paired bootstrap resamples by position,
+    so the same outcomes must come in the same order for the same interval.
 
     ``require`` drops traces that lack that provider (the best single one), counted.
     """
@@ -85,4 +87,5 @@ def held_out(traces: Iterable[Trace], episodes: Sequence[Episode], *, require: s
         else:
             kept.append(t)
         seen.add(t.trace_id)
+    kept.sort(key=lambda t: (t.query_id or "", t.query, t.trace_id))
     return HeldOut(kept, read, excluded)

@@ -52,6 +52,34 @@ def test_held_out_excludes_trained_queries_routed_traces_and_duplicates():
     assert h.excluded == {"not_fanout": 1, "duplicate_trace_id": 1, "trained_query": 1, "missing_best_single": 1}
 
 
+def test_held_out_traces_come_in_query_order_whatever_their_arrival():
+    """The paired bootstrap resamples positions: arrival order (concurrent replay) must not move its interval."""
+    import random
+
+    from services.evaluate.metrics import paired
+    from services.evaluate.policies import Outcome
+
+    traces = [trace(f"t{i}", [candidate("a")], query=f"query {i:02d}") for i in range(30)]
+    shuffled = traces[:]
+    random.Random(1).shuffle(shuffled)
+    a, b = held_out(traces, [], require="a").traces, held_out(shuffled, [], require="a").traces
+    assert [t.trace_id for t in a] == [t.trace_id for t in b] == [t.trace_id for t in traces]
+
+    def outcomes(kept, grade):
+        return [Outcome(policy="p", called=("a",), returned="a", cost_usd=0.001, latency_ms=1.0,
+                        human=grade(t), judge=grade(t)) for t in kept]
+
+    def score(t):
+        return int(t.trace_id[1:]) * 7 % 30 / 29  # 30 distinct values: another order moves the percentiles
+
+    base = [Outcome(policy="q", called=("a",), returned="a", cost_usd=0.001, latency_ms=1.0, human=0.5, judge=0.5)
+            for _ in traces]
+    assert paired("p", "q", "human", outcomes(a, score), base) == paired("p", "q", "human", outcomes(b, score), base)
+    arrival = paired("p", "q", "human", outcomes(shuffled, score), base)  # what the bootstrap saw before
+    assert arrival.mean_diff == paired("p", "q", "human", outcomes(a, score), base).mean_diff
+    assert arrival.ci95 != paired("p", "q", "human", outcomes(a, score), base).ci95
+
+
 def test_traces_file_errors_name_the_file_and_line(tmp_path):
     good = tmp_path / "t.jsonl"
     write_jsonl([trace("t1", [candidate("a")]), trace("t2", [candidate("a")])], good)
