@@ -76,10 +76,10 @@ def measure(rows: int, reps: int) -> dict[str, dict[str, float]]:
             return torch.ops.onednn.qlinear_pointwise(q, s, z, q_packed, w_scale, w_zp, None, 1.0, 0,
                                                       torch.bfloat16, "none", [], "")
 
-        calls = CALLS[name]
+        calls, matmul = CALLS[name], timed(int8, reps)
         out[name] = {"bf16": calls * timed(lambda: packed_linear(x, packed), reps),
-                     "int8_matmul": calls * timed(int8, reps),
-                     "int8_quantize": timed(lambda: int8(*quantize()), reps) + (calls - 1) * timed(int8, reps)}
+                     "int8_matmul": calls * matmul,
+                     "int8_quantize": timed(lambda: int8(*quantize()), reps) + (calls - 1) * matmul}
     out["layer"] = {k: sum(v[k] for v in out.values()) for k in ("bf16", "int8_matmul", "int8_quantize")}
     return out
 

@@ -48,9 +48,8 @@ class DemoOptions:
     judge_rate: float = 1.0  # label every trace: the short training run needs them (the service default is 0.2)
     loop: bool = True  # False: stop after the fan-out era (no training, evaluation or routing)
     held_out_fraction: float = 0.3
-    passes: int = 3  # chained one-pass training runs (each from the previous adapter, its own data order); a 4th
-    # was tried (docs/trainer.md): the demo's chain scored it below the 3rd and published the same adapter
-    # 2 minutes later
+    passes: int = 3  # chained one-pass training runs (each from the previous adapter, its own data order; a 4th:
+    # docs/trainer.md)
     synthetic: int = 0  # pseudo-queries (fanroute traffic synth) replayed after the dev queries: training only
     select_pass: Literal["route", "last"] = "route"  # which pass is published (LoopOptions.select_pass)
 
