@@ -6,9 +6,12 @@ Input: the output of the large-traffic recipe, ``fanroute demo --synthetic N --n
 episode, all judged by the same judge) and ``DIR/eval/traces.jsonl`` (the held-out development
 queries' traces, which only ever count here). Each size trains on every development training episode
 plus the first synthetic ones (a fixed seeded order), ``--passes`` chained one-pass SFT runs (the
-demo's recipe); the student is asked as the gateway asks it (score mode, λ = 0,
-:mod:`bench.routed_eval`). Nothing is tuned here: the recipe is the demo's, chosen on the training
-split's own validation queries (``bench/sft_recipes.py``).
+demo's recipe). Both routers decide as the demo's gateway does (``--decision``, ``--cost-weight``: by
+default the top-tier decision through that size's own label → top-tier table, λ = 150, each
+provider's cost from the traces; :func:`bench.routed_eval.gateway_picks`); rounds before 2026-12-07
+picked the most probable name (λ = 0). Beside them, per size: the best single provider chosen on that
+size's episodes. Nothing is tuned here: the recipe and the decision are the demo's, chosen on the
+training split's own validation queries (``bench/sft_recipes.py``, ``bench/decision_rules.py``).
 
     fanroute demo --synthetic 3600 --no-loop --out out/demo-traffic
     python bench/data_scaling.py --run-dir out/demo-traffic --sizes 450,1000,2000,4000
@@ -29,6 +32,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from services.tools.demo_loop import LoopOptions  # noqa: E402
+
+DEMO = LoopOptions()
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -36,13 +43,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", default="450,1000,2000,4000", help="training episodes per point (capped by what exists)")
     ap.add_argument("--passes", type=int, default=1, help="chained one-pass SFT runs per point")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--decision", choices=("top-tier", "first-choice"), default=DEMO.decision,
+                    help="how both routers decide, as the gateway does (default: the demo's)")
+    ap.add_argument("--cost-weight", type=float, default=DEMO.cost_weight,
+                    help="λ, quality per USD, of both routers' decisions (default: the demo's)")
     ap.add_argument("--no-lm", action="store_true", help="the linear router only (minutes instead of an hour)")
     ap.add_argument("--base-model", default=None, help="base model (default: the trainer's)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-data-scaling"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/data_scaling.json")
     args = ap.parse_args(argv)
+    if not 0 <= args.cost_weight <= 1e6 or args.passes < 1:
+        ap.error(f"--cost-weight must be within 0..1e6 (got {args.cost_weight}) and --passes at least 1 "
+                 f"(got {args.passes})")
 
-    from bench.routed_eval import Queries, tokenizer_and_base
+    from bench.routed_eval import Queries, gateway_picks, tokenizer_and_base
+    from services.evaluate.baseline import choose_best_single
+    from services.router.rates import top_tier_rates
     from services.common.dataset import write_jsonl
     from services.evaluate.inputs import held_out, load_traces_file
     from services.tools.traffic import is_synthetic
@@ -64,6 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     tok, base, pad_id = tokenizer_and_base(base_model)
     held_eps = held_out_episodes(held, dev)
     q = Queries(held_eps, traces, tok)
+    cost = {c.provider: c.cost_usd for t in traces.values() for c in t.candidates}
+
+    def routed(probs: dict[str, dict[str, float]], subset: list[Any]) -> dict[str, Any]:
+        """A router's row, its picks made as the gateway makes them (the decision, λ, the providers' costs)."""
+        rates = top_tier_rates(subset) if args.decision == "top-tier" else None
+        return priced(gateway_picks(probs, cost, args.cost_weight, rates))
+
+    def priced(picks: dict[str, str]) -> dict[str, Any]:
+        return {**q.summary(picks), "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)}
     print(f"{len(dev)} development training episodes, {len(synth)} synthetic; {len(held)} held-out traces "
           f"({len(q.human)} with qrels)", flush=True)
     sizes = sorted({min(int(s), len(dev) + len(synth)) for s in args.sizes.split(",")})
@@ -72,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         subset = dev[:n] + synth[:max(0, n - len(dev))]
         row: dict[str, Any] = {"episodes": len(subset), "synthetic": max(0, n - len(dev))}
         t0 = time.perf_counter()
-        row["linear"] = q.summary(q.linear_picks(subset, seed=args.seed))
+        row["linear"] = routed(q.linear_probs(subset, seed=args.seed), subset)
+        best = choose_best_single(subset).provider
+        row["best_single"] = {"provider": best, **priced({ep.episode_id: best for ep in held_eps})}
         row["linear_fit_s"] = round(time.perf_counter() - t0, 1)
         if not args.no_lm:
             work = args.work_dir / f"n{len(subset)}"
@@ -86,13 +113,16 @@ def main(argv: list[str] | None = None) -> int:
                             out=lambda line: None)
                 init = run.adapter_dir
             row["lm_train_s"] = round(time.perf_counter() - t0, 1)
-            row["lm"] = q.summary(q.adapter_picks(init, base, pad_id))
+            row["lm"] = routed(q.adapter_probs(init, base, pad_id), subset)
         rows.append(row)
         lm = f"LM {row['lm']['ndcg10']:.3f} ({row['lm_train_s']:.0f} s)" if "lm" in row else "LM -"
         print(f"{row['episodes']:>6} episodes ({row['synthetic']} synthetic): {lm}, "
-              f"linear {row['linear']['ndcg10']:.3f}", flush=True)
+              f"linear {row['linear']['ndcg10']:.3f}, best single {best} {row['best_single']['ndcg10']:.3f}",
+              flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"run_dir": str(args.run_dir), "passes": args.passes, "held_out": len(held),
+        args.out.write_text(json.dumps({"run_dir": str(args.run_dir), "passes": args.passes,
+                                        "decision": args.decision, "cost_weight": args.cost_weight,
+                                        "held_out": len(held),
                                         "held_out_with_qrels": len(q.human), "rows": rows}, indent=2) + "\n")
     plot(rows, args.out.with_suffix(".png"))
     return 0
@@ -122,6 +152,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     if all("lm" in r for r in rows):
         ax.plot(x, [r["lm"]["ndcg10"] for r in rows], marker="o", label="LM student (SmolLM2-135M + LoRA)")
     ax.plot(x, [r["linear"]["ndcg10"] for r in rows], marker="s", label="linear router (TF-IDF + LR)")
+    ax.plot(x, [r["best_single"]["ndcg10"] for r in rows], linestyle="--", color="grey",
+            label="best single provider (chosen per size)")
     ax.set_xscale("log")
     finish(fig, ax, path, xlabel="training episodes (development split + synthetic traffic)",
            ylabel="held-out nDCG@10 (human qrels)", title="Data scaling: routed quality vs judged training episodes")

@@ -1,7 +1,8 @@
-"""In-process routed evaluation shared by the SFT benches: an adapter asked exactly as the gateway asks it
-(score mode, λ = 0: every provider name scored as the continuation of the router prompt, the most
-probable chosen), the linear router and a single provider on the same queries, graded by nDCG@10
-against the human qrels, agreement with the judge's cost-aware first choice and the provider shares.
+"""In-process routed evaluation shared by the SFT benches: an adapter asked as the gateway asks it (every
+provider name scored as the continuation of the router prompt) and the linear router, each pick made by
+the gateway's decision and λ (:func:`gateway_picks`), and a single provider on the same queries, graded
+by nDCG@10 against the human qrels, agreement with the judge's cost-aware first choice and the provider
+shares.
 
 In-process scoring gives the sampler's decisions (same prompt, same tokens, float32), without a server.
 """
@@ -85,6 +86,18 @@ class Queries:
 def top(scores: Mapping[str, float]) -> str:
     """The best-scored provider; a tie goes to the first name in sorted order."""
     return max(sorted(scores), key=scores.get)
+
+
+def gateway_picks(probs: Mapping[str, Mapping[str, float]], cost: Mapping[str, float], cost_weight: float,
+                  rates: Mapping[str, Mapping[str, float]] | None) -> dict[str, str]:
+    """episode id → the provider the gateway calls for a router with these probabilities: utility =
+    expected quality (top tier through ``rates``, else the first-choice probability) − λ · cost."""
+    import math
+
+    from services.router.scoring import decide
+
+    return {e: decide({n: math.log(max(v, 1e-300)) for n, v in p.items()}, cost, cost_weight, rates)[0]
+            for e, p in probs.items()}
 
 
 def hedged(probs: Mapping[str, Mapping[str, float]], tau: float, fallback: str) -> dict[str, str]:

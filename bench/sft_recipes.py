@@ -72,18 +72,6 @@ def short_prompt(episodes: list[Any]) -> list[Any]:
     return out
 
 
-def gateway_picks(probs: dict[str, dict[str, float]], cost: dict[str, float], cost_weight: float,
-                  rates: dict[str, dict[str, float]] | None) -> dict[str, str]:
-    """episode id → the provider the gateway calls for a router with these probabilities: utility =
-    expected quality (top tier through ``rates``, else the first-choice probability) − λ · cost."""
-    import math
-
-    from services.router.scoring import decide
-
-    return {e: decide({n: math.log(max(v, 1e-300)) for n, v in p.items()}, cost, cost_weight, rates)[0]
-            for e, p in probs.items()}
-
-
 def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed: int) -> Any:
     from services.trainer.settings import TrainerSettings
 
@@ -148,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
 
-    from bench.routed_eval import Queries, hedged, tokenizer_and_base
+    from bench.routed_eval import Queries, gateway_picks, hedged, tokenizer_and_base
     from services.common.dataset import write_jsonl
     from services.evaluate.baseline import choose_best_single
     from services.evaluate.inputs import load_traces_file

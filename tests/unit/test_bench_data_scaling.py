@@ -1,9 +1,12 @@
 """Smoke test of bench/data_scaling.py on the tiny model: the sizes are development episodes first, then
-synthetic ones; only held-out development traces (with qrels) are scored; both routers get a row."""
+synthetic ones; only held-out development traces (with qrels) are scored; both routers get a row, decided
+as the demo's gateway decides, beside the best single provider."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from bench.data_scaling import main
 from services.common.dataset import write_jsonl
@@ -33,7 +36,18 @@ def test_a_short_curve_from_a_run_dir(tmp_path):
     assert [r["episodes"] for r in rep["rows"]] == [10, 15, 20]  # 100 is capped at what exists
     assert [r["synthetic"] for r in rep["rows"]] == [0, 3, 8]
     assert rep["held_out"] == 8 and rep["held_out_with_qrels"] == 8
+    assert (rep["decision"], rep["cost_weight"]) == ("top-tier", 150.0)  # the demo's, as the gateway decides
     for r in rep["rows"]:
-        for router in ("lm", "linear"):
+        for router in ("lm", "linear", "best_single"):
             assert 0.0 <= r[router]["ndcg10"] <= 1.0 and r[router]["n_qrels"] == rep["held_out_with_qrels"]
+            assert r[router]["cost"] > 0
+        assert r["best_single"]["shares"] == {r["best_single"]["provider"]: 1.0}
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags, says", [(["--cost-weight", "-1"], "--cost-weight"), (["--passes", "0"], "--passes"),
+                                         (["--decision", "best"], "--decision")])
+def test_a_bad_flag_is_refused_by_name_before_any_work(tmp_path, capsys, flags, says):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--run-dir", str(tmp_path / "missing"), *flags])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err

@@ -31,7 +31,7 @@ def test_tie_smooth_is_a_trainer_setting_and_short_prompt_only_rewrites_the_syst
 
 def test_rows_pick_as_the_gateway_does():
     """λ and the top-tier table move the pick exactly as the gateway's decide() would."""
-    from bench.sft_recipes import gateway_picks
+    from bench.routed_eval import gateway_picks
 
     probs = {"e1": {"aero": 0.55, "web-lexical": 0.45}}
     cost = {"aero": 0.001, "web-lexical": 0.003}
