@@ -52,15 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-data-scaling"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/data_scaling.json")
     args = ap.parse_args(argv)
-    if not 0 <= args.cost_weight <= 1e6 or args.passes < 1:
-        ap.error(f"--cost-weight must be within 0..1e6 (got {args.cost_weight}) and --passes at least 1 "
-                 f"(got {args.passes})")
+    if not 0 <= args.cost_weight <= 1e6:
+        ap.error(f"--cost-weight must be within 0..1e6, as the gateway's routing.cost_weight (got {args.cost_weight})")
+    if args.passes < 1:
+        ap.error(f"--passes must be at least 1 (got {args.passes})")
 
     from bench.routed_eval import Queries, gateway_picks, tokenizer_and_base
-    from services.evaluate.baseline import choose_best_single
-    from services.router.rates import top_tier_rates
     from services.common.dataset import write_jsonl
+    from services.evaluate.baseline import choose_best_single
     from services.evaluate.inputs import held_out, load_traces_file
+    from services.router.rates import top_tier_rates
     from services.tools.traffic import is_synthetic
     from services.trainer.data import load_episodes_file
     from services.trainer.settings import TrainerSettings
@@ -88,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         return priced(gateway_picks(probs, cost, args.cost_weight, rates))
 
     def priced(picks: dict[str, str]) -> dict[str, Any]:
-        return {**q.summary(picks), "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)}
+        """nDCG@10 (qrels), shares and cost per query; the held-out episodes carry no judge label, so the
+        summary's agreement and tier grade would mean nothing here and are left out."""
+        summary = {k: v for k, v in q.summary(picks).items() if k not in ("agree", "tier_grade")}
+        return {**summary, "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)}
     print(f"{len(dev)} development training episodes, {len(synth)} synthetic; {len(held)} held-out traces "
           f"({len(q.human)} with qrels)", flush=True)
     sizes = sorted({min(int(s), len(dev) + len(synth)) for s in args.sizes.split(",")})
@@ -98,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"episodes": len(subset), "synthetic": max(0, n - len(dev))}
         t0 = time.perf_counter()
         row["linear"] = routed(q.linear_probs(subset, seed=args.seed), subset)
+        row["linear_fit_s"] = round(time.perf_counter() - t0, 1)
         best = choose_best_single(subset).provider
         row["best_single"] = {"provider": best, **priced({ep.episode_id: best for ep in held_eps})}
-        row["linear_fit_s"] = round(time.perf_counter() - t0, 1)
         if not args.no_lm:
             work = args.work_dir / f"n{len(subset)}"
             init, t0 = None, time.perf_counter()

@@ -42,6 +42,7 @@ def test_a_short_curve_from_a_run_dir(tmp_path):
             assert 0.0 <= r[router]["ndcg10"] <= 1.0 and r[router]["n_qrels"] == rep["held_out_with_qrels"]
             assert r[router]["cost"] > 0
         assert r["best_single"]["shares"] == {r["best_single"]["provider"]: 1.0}
+        assert "agree" not in r["lm"]  # held-out episodes carry no judge label to agree with
     assert out.with_suffix(".png").stat().st_size > 0
 
 
