@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             init, t0 = None, time.perf_counter()
             data = write_jsonl(subset, work / "episodes.jsonl")
             for p in range(args.passes):
+                shutil.rmtree(work / f"pass{p + 1}", ignore_errors=True)  # a re-run trains afresh, not on stale checkpoints
                 run = train(TrainerSettings(base_model=base_model, episodes_file=data, output_dir=work / f"pass{p + 1}",
                                             init_adapter=init,
                                             seed=p, allow_uncalibrated=True, grades_source="ordering",

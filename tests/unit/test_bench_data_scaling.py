@@ -44,6 +44,11 @@ def test_a_short_curve_from_a_run_dir(tmp_path):
         assert r["best_single"]["shares"] == {r["best_single"]["provider"]: 1.0}
         assert "agree" not in r["lm"]  # held-out episodes carry no judge label to agree with
     assert out.with_suffix(".png").stat().st_size > 0
+    # the same work directory again: each pass trains afresh instead of refusing the last run's checkpoints
+    again = tmp_path / "again.json"
+    assert main(["--run-dir", str(run), "--sizes", "10", "--base-model", str(base),
+                 "--work-dir", str(tmp_path / "work"), "--out", str(again)]) == 0
+    assert json.loads(again.read_text())["rows"][0]["lm"] == rep["rows"][0]["lm"]
 
 
 @pytest.mark.parametrize("flags, says", [(["--cost-weight", "-1"], "--cost-weight"), (["--passes", "0"], "--passes"),
