@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             rfit = write_jsonl(short_prompt(fit_eps), args.work_dir / f"fit-{recipe}.jsonl")
         for p in range(1, args.passes + 1):
             t0 = time.perf_counter()
+            shutil.rmtree(args.work_dir / recipe / f"pass{p}", ignore_errors=True)  # a re-run trains afresh
             run = train(settings_for(recipe, rfit, args.work_dir / recipe / f"pass{p}", init, p),
                         out=lambda line: None)
             init = run.adapter_dir

@@ -52,3 +52,36 @@ def test_a_bad_number_is_refused_naming_the_flag(tmp_path: Path, capsys, flag: s
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert flag in err and says in err
+
+
+def test_a_tiny_run_scores_every_pass_and_runs_again_in_the_same_work_dir(tmp_path: Path, monkeypatch):
+    """Rows for the baselines and each pass, decided as the gateway decides; a second run in the same work
+    directory trains afresh (it used to refuse the last run's checkpoints) and gives the same figures."""
+    import json
+
+    from bench.sft_recipes import main
+    from services.common.dataset import write_jsonl
+    from tests.support.records import adi, adi_trace, episode
+    from tests.support.tiny_model import build_tiny_model
+
+    traces = [adi_trace(q) for q in sorted(adi()[0], key=int)[:24]]
+    eps = [episode(t.query, "good > cheap = flaky" if i % 3 else "cheap > good > flaky", ["cheap", "flaky", "good"],
+                   ep_id=f"e{i}", trace_id=t.trace_id) for i, t in enumerate(traces)]
+    write_jsonl(eps, tmp_path / "episodes.jsonl")
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
+    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(build_tiny_model(tmp_path / "tiny", context=1024)))
+    reports = []
+    for name in ("first.json", "again.json"):
+        out = tmp_path / name
+        assert main(["--episodes", str(tmp_path / "episodes.jsonl"), "--traces", str(tmp_path / "traces.jsonl"),
+                     "--recipes", "first", "--passes", "2", "--work-dir", str(tmp_path / "work"),
+                     "--out", str(out)]) == 0
+        reports.append(json.loads(out.read_text()))
+    rep = reports[0]
+    assert (rep["decision"], rep["cost_weight"]) == ("top-tier", 150.0)
+    passes = [r for r in rep["rows"] if r["policy"] == "first"]
+    assert [r["pass"] for r in passes] == [1, 2]
+    assert all(0.0 <= r["ndcg10"] <= 1.0 and r["cost"] > 0 for r in rep["rows"])
+    drop = ("train_s",)
+    assert [{k: v for k, v in r.items() if k not in drop} for r in reports[1]["rows"]] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in rep["rows"]]
