@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     def priced(picks: dict[str, str]) -> dict[str, Any]:
         """nDCG@10 (qrels), shares and cost per query; the held-out episodes carry no judge label, so the
         summary's agreement and tier grade would mean nothing here and are left out."""
-        summary = {k: v for k, v in q.summary(picks).items() if k not in ("agree", "tier_grade")}
-        return {**summary, "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)}
+        return {k: v for k, v in q.summary(picks, cost).items() if k not in ("agree", "tier_grade")}
     print(f"{len(dev)} development training episodes, {len(synth)} synthetic; {len(held)} held-out traces "
           f"({len(q.human)} with qrels)", flush=True)
     sizes = sorted({min(int(s), len(dev) + len(synth)) for s in args.sizes.split(",")})
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             init, t0 = None, time.perf_counter()
             data = write_jsonl(subset, work / "episodes.jsonl")
             for p in range(args.passes):
-                shutil.rmtree(work / f"pass{p + 1}", ignore_errors=True)  # a re-run trains afresh, not on stale checkpoints
+                shutil.rmtree(work / f"pass{p + 1}", ignore_errors=True)  # a re-run trains afresh
                 run = train(TrainerSettings(base_model=base_model, episodes_file=data, output_dir=work / f"pass{p + 1}",
                                             init_adapter=init,
                                             seed=p, allow_uncalibrated=True, grades_source="ordering",

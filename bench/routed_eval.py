@@ -42,7 +42,9 @@ class Queries:
         self.items = route_items(tokenizer, self.episodes, [self.grades[ep.episode_id] for ep in self.episodes],
                                  [providers_of(ep) for ep in self.episodes])
 
-    def summary(self, picks: Mapping[str, str]) -> dict[str, Any]:
+    def summary(self, picks: Mapping[str, str], cost: Mapping[str, float] | None = None) -> dict[str, Any]:
+        """nDCG@10 (qrels), agreement with the label, tier grade and shares of ``picks``; with ``cost``
+        (provider → USD), also the mean cost per pick."""
         eps = [ep for ep in self.episodes if ep.episode_id in picks]
         rated = [ep for ep in eps if self.human.get(ep.trace_id)]
         ndcg = [self.human[ep.trace_id].get(picks[ep.episode_id], 0.0) for ep in rated]
@@ -50,8 +52,11 @@ class Queries:
         grade = [self.grades[ep.episode_id].get(picks[ep.episode_id], 0.0) for ep in eps]
         shares = Counter(picks[ep.episode_id] for ep in eps)
         n = max(len(eps), 1)
-        return {"ndcg10": sum(ndcg) / max(len(ndcg), 1), "n_qrels": len(ndcg), "agree": sum(agree) / n,
-                "tier_grade": sum(grade) / n, "shares": {k: round(v / n, 3) for k, v in sorted(shares.items())}}
+        out = {"ndcg10": sum(ndcg) / max(len(ndcg), 1), "n_qrels": len(ndcg), "agree": sum(agree) / n,
+               "tier_grade": sum(grade) / n, "shares": {k: round(v / n, 3) for k, v in sorted(shares.items())}}
+        if cost is not None:
+            out["cost"] = sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)
+        return out
 
     def adapter_picks(self, adapter: Path, base: Path, pad_id: int) -> dict[str, str]:
         """episode id → the provider the adapter's scores choose."""

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = top_tier_rates(fit_eps) if args.decision == "top-tier" else None
 
     def summary(picks: dict[str, str], queries: Any = q) -> dict[str, Any]:
-        return {**queries.summary(picks), "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)}
+        return queries.summary(picks, cost)
 
     def routed(probs: dict[str, dict[str, float]], queries: Any = q) -> dict[str, Any]:
         """A router's row, its picks made as the gateway makes them (the decision, λ, the providers' costs)."""
@@ -175,8 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         out = []
         for tau in taus:
             picks = hedged(probs, tau, best)
-            out.append({"policy": f"{name}, hedged", "tau": tau, **q.summary(picks),
-                        "cost": sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1),
+            out.append({"policy": f"{name}, hedged", "tau": tau, **q.summary(picks, cost),
                         "handed_over": sum(1 for p in probs.values() if max(p.values()) < tau) / max(len(probs), 1)})
             r = out[-1]
             print(f"{r['policy']:<28} τ {tau:.2f}: nDCG@10 {r['ndcg10']:.3f} grade {r['tier_grade']:.3f} "
