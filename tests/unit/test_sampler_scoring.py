@@ -212,6 +212,35 @@ def test_packing_keeps_a_querys_candidates_in_one_row_and_the_shared_tokens_firs
     assert len(one) == 1 and len(one[0].tokens) == 2 + 4 + 3 + 4 + 3
 
 
+def test_each_forwards_key_length_is_padded_to_the_alignment_and_the_numbers_do_not_move(tiny):
+    """Cached prefix + row width is a multiple of ``KV_ALIGN`` (CPU attention is ~2x slower off it);
+    the padding sees only itself, so every prompt's logprobs still equal a plain forward's."""
+    from services.sampler.scoring import KV_ALIGN
+
+    engine = Engine(tiny["base"])
+    scorer = Scorer(engine, PrefixCache(capacity=4, min_tokens=4), top_k_cached=2)
+    keys: list[int] = []
+    forward = scorer._forward
+
+    def spy(decoder, rows, prefix, m):
+        hidden, kv = forward(decoder, rows, prefix, m)
+        keys.append(kv[0][0].shape[2])
+        assert hidden.shape[0] == sum(len(r.tokens) for r in rows)  # no padding in what is read back
+        return hidden, kv
+
+    scorer._forward = spy
+    ids = engine.encode("You route search queries to search providers. The providers are: bio-dense, bm25-all")
+    prompts = [ids + engine.encode(q) for q in (" what is a cell", " wing flutter at mach two", " a")]
+    for batch in ([ids[:13]], prompts, prompts[1:]):  # a miss of 13 tokens, then cache hits after 13+
+        scored, _info = scorer.score(batch, [2] * len(batch), None)
+        for p, got in zip(batch, scored):
+            ref = reference_rows(tiny, None, p)
+            for pos in range(1, len(p)):
+                assert abs(got.prompt_logprobs[pos][0][1] - float(ref[pos - 1, p[pos]])) < TOL
+    assert len(keys) == 3 and all(k % KV_ALIGN == 0 for k in keys), keys
+    assert keys[0] == KV_ALIGN  # 13 tokens, no prefix: padded to 16
+
+
 # ------------------------------------------------------------------------------ lean prompts
 def test_a_lean_prompt_gets_the_last_row_and_skips_the_output_layer_elsewhere(tiny):
     """``k`` None (a one-token completion without prompt_logprobs): the row after the prompt equals a plain
