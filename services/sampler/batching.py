@@ -2,7 +2,8 @@
 
 A request to score prompts joins a queue and waits for its result. One drain task (on the event
 loop) takes the oldest request's adapter, waits ``wait_s`` for more requests — and again while each
-wait brought one, up to ``max_wait_s`` in all (it stops waiting once ``max_batch`` are queued) — then
+wait brought one, or while fewer are queued than the last forward answered, up to ``max_wait_s`` in
+all (it stops waiting once ``max_batch`` are queued) — then
 hands every queued request for that adapter (at most ``max_batch``) to ``run`` in a worker thread,
 where the model runs once for all of them under the engine's lock (so scoring never overlaps a
 generation or an adapter load). Requests that arrive during that forward are queued for the next
@@ -12,6 +13,14 @@ Why wait again while requests keep coming: a forward has a floor (reading every 
 SmolLM2 in bf16 on 2 cores), and the callers a forward answered send their next requests over a few
 milliseconds. A fixed 2 ms wait took the first few of them alone and left the rest for the next
 forward: two floors per round instead of one. A lone request still waits ``wait_s`` once.
+
+Why also wait for as many as the last forward answered: on a busy machine the answered callers'
+next requests come back with gaps longer than ``wait_s`` (their own process, the HTTP server and the
+tokenizer share the cores), so "a wait brought one" alone still split a round of 20 closed-loop
+decisions into two forwards of ~10 in some of the benchmark's runs (2026-12-07, the same hour: p50
+465–521 ms at 20 concurrent, 10.4 requests a forward; with this rule 338–343 ms, 19.2). ``max_wait_s``
+bounds what this costs when traffic drops: one batch waits the cap, and the next expects only as
+many as it got.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ class ScoreBatcher:
         self.on_wait = on_wait  # each batch's gathering time, in seconds (the sampler's histogram)
         self._pending: list[ScoreJob] = []
         self._task: asyncio.Task | None = None
+        self._expected = 1  # how many requests the last forward answered: in a closed loop, who comes back
 
     @property
     def queued(self) -> int:
@@ -81,6 +91,7 @@ class ScoreBatcher:
                 entry = self._pending[0].entry
                 batch = [j for j in self._pending if j.entry is entry][: self.max_batch]
                 taken = {id(j) for j in batch}
+                self._expected = len(batch)
                 self._pending = [j for j in self._pending if id(j) not in taken]
                 try:
                     results = await asyncio.to_thread(self.run, entry, batch)
@@ -100,10 +111,12 @@ class ScoreBatcher:
             raise
 
     async def _gather(self) -> None:
-        """Wait ``wait_s``, then again while the last wait brought a request, ``max_wait_s`` at most."""
+        """Wait ``wait_s``, then again while the last wait brought a request or fewer are queued than the
+        last forward answered, ``max_wait_s`` at most."""
         deadline = self._clock() + self.max_wait_s
         seen = -1
-        while self.wait_s and seen != len(self._pending) < self.max_batch and self._clock() < deadline:
+        while (self.wait_s and len(self._pending) < self.max_batch and self._clock() < deadline
+               and (seen != len(self._pending) or len(self._pending) < self._expected)):
             seen = len(self._pending)
             await self._sleep(min(self.wait_s, deadline - self._clock()))
 

@@ -1,5 +1,6 @@
-"""The scoring batcher's wait (services/sampler/batching.py): it gathers requests that keep arriving,
-a lone request waits once, and the cap holds — on a fake clock, so no real time passes."""
+"""The scoring batcher's wait (services/sampler/batching.py): it gathers requests that keep arriving and
+as many as the last forward answered, a lone request waits once, and the cap holds — on a fake clock, so
+no real time passes."""
 
 from __future__ import annotations
 
@@ -80,6 +81,19 @@ async def test_without_a_longer_cap_the_wait_is_the_old_fixed_one():
 async def test_a_full_batch_does_not_wait():
     sizes, _ = await batches([0, 0, 0], wait_ms=2, max_wait_ms=10, max_batch=2)
     assert sizes[0] == 2
+
+
+async def test_answered_callers_coming_back_slower_than_the_wait_still_share_one_forward():
+    """Four callers answered at once come back 3 ms apart (> the 2 ms wait): the batch waits for as many as
+    the last forward answered, within the cap, instead of starting with the first and splitting the round."""
+    sizes, _ = await batches([0, 0, 0, 20, 23, 26, 29], wait_ms=2, max_wait_ms=10)
+    assert sizes == [4, 4]
+
+
+async def test_when_traffic_drops_one_batch_waits_the_cap_and_the_next_expects_what_came():
+    sizes, sleeps = await batches([0, 0, 0, 50, 100], wait_ms=2, max_wait_ms=10)
+    assert sizes == [4, 1, 1]
+    assert sleeps[0] == 2 and sum(sleeps[1:-1]) == pytest.approx(10) and sleeps[-1] == 2
 
 
 def test_a_cap_below_the_wait_is_refused():
