@@ -316,6 +316,7 @@ class Scorer:
                  m: int) -> tuple[Any, tuple[list[Any], list[Any]]]:
         """The decoder over the packed rows after ``m`` cached tokens: the last hidden state of every
         node ``[n, d]`` (flat, row after row) and the per-layer keys/values ``[rows, kv_heads, m + L, d]``."""
+        import numpy as np
         import torch
 
         width = max(len(r.tokens) for r in rows)
@@ -323,13 +324,16 @@ class Scorer:
         dtype = decoder.dtype
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
-        seen = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself only
+        seen_np = np.zeros((len(rows), width, width), dtype=bool)  # numpy: ~10x faster row by row than torch
+        seen_np[:, np.arange(width), np.arange(width)] = True  # a token sees itself; padding only itself
         for r, row in enumerate(rows):
             ids[r, :len(row.tokens)] = torch.tensor(row.tokens)
             positions[r, :len(row.tokens)] = torch.tensor(row.position)
+            tree = seen_np[r]
             for i, parent in enumerate(row.parent):
                 if parent >= 0:
-                    seen[r, i] |= seen[r, parent]
+                    tree[i] |= tree[parent]
+        seen = torch.from_numpy(seen_np)
         mask = torch.zeros(len(rows), 1, width, m + width, dtype=dtype)
         mask[:, 0, :, m:].masked_fill_(~seen, torch.finfo(dtype).min)
         cache = self.engine._new_cache()
