@@ -41,7 +41,7 @@ from typing import Any
 HEAD_CHUNK = 256  # tree tokens per output-layer chunk: 256 x vocab floats at a time
 #: Each forward's key length (cached prefix + row width) is padded to a multiple of this: torch's CPU
 #: flash attention takes about twice as long on a key length that is not (bf16, 3 rows of 191 tokens
-#: after 96 cached: 1.5 ms against 0.73 ms at 192; fp32 1.2x).
+#: after 96 cached: 1.5-1.6 ms against 0.73-0.78 ms at 192, in two runs; fp32 1.2x).
 KV_ALIGN = 16
 
 
@@ -320,12 +320,12 @@ class Scorer:
         import torch
 
         width = max(len(r.tokens) for r in rows)
-        width += -(m + width) % KV_ALIGN  # padding sees only itself; nothing attends to it
+        width += -(m + width) % KV_ALIGN  # nothing attends to the padding (its own rows are never read)
         dtype = decoder.dtype
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         positions = torch.zeros(len(rows), width, dtype=torch.long)
         seen_np = np.zeros((len(rows), width, width), dtype=bool)  # numpy: ~10x faster row by row than torch
-        seen_np[:, np.arange(width), np.arange(width)] = True  # a token sees itself; padding only itself
+        seen_np[:, np.arange(width), np.arange(width)] = True  # a token sees itself; padding no other
         for r, row in enumerate(rows):
             ids[r, :len(row.tokens)] = torch.tensor(row.tokens)
             positions[r, :len(row.tokens)] = torch.tensor(row.position)

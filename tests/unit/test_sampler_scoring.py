@@ -214,7 +214,7 @@ def test_packing_keeps_a_querys_candidates_in_one_row_and_the_shared_tokens_firs
 
 def test_each_forwards_key_length_is_padded_to_the_alignment_and_the_numbers_do_not_move(tiny):
     """Cached prefix + row width is a multiple of ``KV_ALIGN`` (CPU attention is ~2x slower off it);
-    the padding sees only itself, so every prompt's logprobs still equal a plain forward's."""
+    nothing attends to the padding, so every prompt's logprobs still equal a plain forward's."""
     from services.sampler.scoring import KV_ALIGN
 
     engine = Engine(tiny["base"])
