@@ -2,8 +2,8 @@
 
 A request to score prompts joins a queue and waits for its result. One drain task (on the event
 loop) takes the oldest request's adapter, waits ``wait_s`` for more requests — and again while each
-wait brought one, or while fewer are queued than the last forward answered, up to ``max_wait_s`` in
-all (it stops waiting once ``max_batch`` are queued) — then
+wait brought one, or while fewer are queued than that adapter's last forward answered, up to
+``max_wait_s`` in all (it stops waiting once ``max_batch`` are queued) — then
 hands every queued request for that adapter (at most ``max_batch``) to ``run`` in a worker thread,
 where the model runs once for all of them under the engine's lock (so scoring never overlaps a
 generation or an adapter load). Requests that arrive during that forward are queued for the next
@@ -64,7 +64,8 @@ class ScoreBatcher:
         self.on_wait = on_wait  # each batch's gathering time, in seconds (the sampler's histogram)
         self._pending: list[ScoreJob] = []
         self._task: asyncio.Task | None = None
-        self._expected = 1  # how many requests the last forward answered: in a closed loop, who comes back
+        #: per adapter (by entry id), how many requests its last forward answered: in a closed loop, who comes back
+        self._expected: dict[int, int] = {}
 
     @property
     def queued(self) -> int:
@@ -91,7 +92,9 @@ class ScoreBatcher:
                 entry = self._pending[0].entry
                 batch = [j for j in self._pending if j.entry is entry][: self.max_batch]
                 taken = {id(j) for j in batch}
-                self._expected = len(batch)
+                if len(self._expected) >= 64 and id(entry) not in self._expected:  # adapters come and go
+                    self._expected.clear()
+                self._expected[id(entry)] = len(batch)
                 self._pending = [j for j in self._pending if id(j) not in taken]
                 try:
                     results = await asyncio.to_thread(self.run, entry, batch)
@@ -116,9 +119,15 @@ class ScoreBatcher:
         deadline = self._clock() + self.max_wait_s
         seen = -1
         while (self.wait_s and len(self._pending) < self.max_batch and self._clock() < deadline
-               and (seen != len(self._pending) or len(self._pending) < self._expected)):
+               and (seen != len(self._pending) or self._short())):
             seen = len(self._pending)
             await self._sleep(min(self.wait_s, deadline - self._clock()))
+
+    def _short(self) -> bool:
+        """Fewer requests queued for the oldest one's adapter than that adapter's last forward answered."""
+        entry = self._pending[0].entry if self._pending else None
+        queued = sum(1 for j in self._pending if j.entry is entry)
+        return queued < self._expected.get(id(entry), 1)
 
     async def stop(self) -> None:
         if self._task is not None and not self._task.done():

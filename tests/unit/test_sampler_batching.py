@@ -14,8 +14,9 @@ from services.sampler.batching import ScoreBatcher
 class Arrivals:
     """A fake clock whose sleeps advance time and submit the requests due by then."""
 
-    def __init__(self, due_ms: list[float]) -> None:
-        self.now, self.due, self.sleeps = 0.0, sorted(due_ms), []
+    def __init__(self, due_ms: list[float | tuple[float, str]]) -> None:
+        due = [d if isinstance(d, tuple) else (d, None) for d in due_ms]  # (ms, adapter entry)
+        self.now, self.due, self.sleeps = 0.0, sorted(due, key=lambda d: d[0]), []
         self.batcher: ScoreBatcher | None = None
         self.tasks: list[asyncio.Task] = []
 
@@ -29,19 +30,21 @@ class Arrivals:
 
     async def arrive(self) -> None:
         """Submit every request due by now and let each join the queue."""
-        while self.due and self.due[0] <= self.now * 1000 + 1e-9:
-            name = f"t={self.due.pop(0)}"
-            self.tasks.append(asyncio.ensure_future(self.batcher.score(None, [[1]], [name])))
+        while self.due and self.due[0][0] <= self.now * 1000 + 1e-9:
+            ms, entry = self.due.pop(0)
+            self.tasks.append(asyncio.ensure_future(self.batcher.score(entry, [[1]], [f"t={ms}"])))
         await asyncio.sleep(0)  # the new tasks run up to their wait
 
 
-async def batches(due_ms: list[float], *, wait_ms: float, max_wait_ms: float | None, max_batch: int = 32):
-    """The batch sizes the batcher runs for one request at t=0 and more at ``due_ms``, and its sleeps."""
-    sizes: list[int] = []
-    arrivals = Arrivals([0, *due_ms])
+async def batches(due_ms: list[float | tuple[float, str]], *, wait_ms: float, max_wait_ms: float | None,
+                  max_batch: int = 32, first: str | None = None, by_entry: bool = False):
+    """The batch sizes the batcher runs for one request at t=0 (for adapter ``first``) and more at ``due_ms``
+    (``(ms, adapter)`` or ms for the base model), and its sleeps; ``by_entry``: each size with its adapter."""
+    sizes: list = []
+    arrivals = Arrivals([(0, first), *due_ms])
 
     def run(entry, jobs):
-        sizes.append(len(jobs))
+        sizes.append((entry, len(jobs)) if by_entry else len(jobs))
         return [[j.ks[0]] for j in jobs]
 
     waits: list[float] = []
@@ -52,9 +55,9 @@ async def batches(due_ms: list[float], *, wait_ms: float, max_wait_ms: float | N
     while arrivals.due or not all(t.done() for t in arrivals.tasks):
         await asyncio.gather(*arrivals.tasks)
         if arrivals.due:  # the rest arrive after the forwards so far (which took no fake time)
-            arrivals.now = max(arrivals.now, arrivals.due[0] / 1000)
+            arrivals.now = max(arrivals.now, arrivals.due[0][0] / 1000)
             await arrivals.arrive()
-    assert not arrivals.due and sum(sizes) == len(arrivals.tasks)
+    assert not arrivals.due and sum(n[1] if by_entry else n for n in sizes) == len(arrivals.tasks)
     assert all(t.result()[0].startswith("t=") for t in arrivals.tasks)
     assert len(waits) == len(sizes)  # one gathering time per batch, what the sampler's histogram observes
     assert sum(waits) == pytest.approx(sum(arrivals.sleeps) / 1000)
@@ -94,6 +97,16 @@ async def test_when_traffic_drops_one_batch_waits_the_cap_and_the_next_expects_w
     sizes, sleeps = await batches([0, 0, 0, 50, 100], wait_ms=2, max_wait_ms=10)
     assert sizes == [4, 1, 1]
     assert sleeps[0] == 2 and sum(sleeps[1:-1]) == pytest.approx(10) and sleeps[-1] == 2
+
+
+async def test_the_expected_count_is_each_adapters_own():
+    """Four callers of one adapter answered together do not make a lone request for another adapter (a
+    promotion's new version) wait the cap for them: it waits once, as any first request does."""
+    a = [(0, "a")] * 3
+    sizes, sleeps = await batches([*a, (20, "b"), (40, "a"), (43, "a"), (46, "a"), (49, "a")], wait_ms=2,
+                                  max_wait_ms=10, first="a", by_entry=True)
+    assert sizes == [("a", 4), ("b", 1), ("a", 4)]
+    assert sleeps[:2] == [2, 2]  # the first batch, then b's single wait
 
 
 def test_a_cap_below_the_wait_is_refused():
