@@ -158,17 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     best = choose_best_single(fit_eps).provider
     rates = top_tier_rates(fit_eps) if args.decision == "top-tier" else None
 
-    def summary(picks: dict[str, str], queries: Any = q) -> dict[str, Any]:
-        return queries.summary(picks, cost)
-
     def routed(probs: dict[str, dict[str, float]], queries: Any = q) -> dict[str, Any]:
         """A router's row, its picks made as the gateway makes them (the decision, λ, the providers' costs)."""
-        return summary(gateway_picks(probs, cost, args.cost_weight, rates), queries)
+        return queries.summary(gateway_picks(probs, cost, args.cost_weight, rates), cost)
 
     rows: list[dict[str, Any]] = [
         {"policy": "linear router", **routed(q.linear_probs(fit_eps))},
-        {"policy": f"best single ({best})", **summary({ep.episode_id: best for ep in val})},
-        {"policy": "judge-oracle (the label)", **summary({k: v for k, v in q.labels.items() if v})},
+        {"policy": f"best single ({best})", **q.summary({ep.episode_id: best for ep in val}, cost)},
+        {"policy": "judge-oracle (the label)", **q.summary({k: v for k, v in q.labels.items() if v}, cost)},
     ]
 
     def hedge_rows(name: str, probs: dict[str, dict[str, float]]) -> list[dict[str, Any]]:

@@ -115,7 +115,7 @@ class ScoreBatcher:
 
     async def _gather(self) -> None:
         """Wait ``wait_s``, then again while the last wait brought a request or fewer are queued than the
-        last forward answered, ``max_wait_s`` at most."""
+        adapter's last forward answered, ``max_wait_s`` at most."""
         deadline = self._clock() + self.max_wait_s
         seen = -1
         while (self.wait_s and len(self._pending) < self.max_batch and self._clock() < deadline

@@ -45,8 +45,8 @@ class SamplerSettings(ServiceSettings):
     score_batch_wait_ms: float = Field(
         default=2.0, ge=0, le=1000,
         description="How long a scoring batch waits for more requests before its forward (ms); it waits "
-                    "again while the last wait brought one or fewer are queued than the last forward answered, "
-                    "up to score_batch_max_wait_ms")
+                    "again while the last wait brought one or fewer are queued than the adapter's last forward "
+                    "answered, up to score_batch_max_wait_ms")
     score_batch_max_wait_ms: float = Field(
         default=10.0, ge=0, le=1000,
         description="Longest a scoring batch waits in all for more requests (ms; at least score_batch_wait_ms)")
