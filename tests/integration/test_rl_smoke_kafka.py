@@ -35,7 +35,10 @@ PROVIDERS = ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")  # judged_trace's
 
 
 def format_adapter(out: Path) -> Path:
-    """SmolLM2 + LoRA trained on 32 router answers naming PROVIDERS in a random order (one pass, 8 steps)."""
+    """SmolLM2 + LoRA trained on 32 router answers naming PROVIDERS in a random order (one pass, 8 steps).
+
+    The whole ordering is the target: under the trainer's default (``first``) the adapter answers one name,
+    bm25-all or eng-bm25 (graded alike), and two rollouts tie on about 77 % of tries (40 samples)."""
     from services.models.prepare import DEFAULT_BASE, resolve_base
     from services.trainer.settings import TrainerSettings
     from services.trainer.train import train
@@ -45,7 +48,8 @@ def format_adapter(out: Path) -> Path:
                    " > ".join(rng.sample(PROVIDERS, len(PROVIDERS))), PROVIDERS, ep_id=f"e-{i}") for i in range(32)]
     train(TrainerSettings(base_model=str(resolve_base(DEFAULT_BASE, prepare=True)), output_dir=out, batch_size=4,
                           lr=3e-3, lr_schedule="constant", eval_fraction=0.0, eval_every=0, checkpoint_every=0,
-                          allow_uncalibrated=True), episodes=eps, gate_lookup=lambda key, labels: None)
+                          allow_uncalibrated=True, run={"type": "sft", "target": "ordering"}),
+          episodes=eps, gate_lookup=lambda key, labels: None)
     return out / "adapter"
 
 
