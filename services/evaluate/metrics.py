@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -63,6 +64,12 @@ class Paired(BaseModel):
     ties: int
     losses: int
     ci95: tuple[float, float] | None = Field(default=None, description="Paired bootstrap, percentile")
+    mde80: float | None = Field(
+        default=None, description="The smallest true mean difference these queries detect 80 % of the time at "
+                                  "a two-sided 5 % level: (z.975 + z.8) · SD(diff) / √n, the normal approximation")
+    n_needed: int | None = Field(
+        default=None, description="Queries that would detect the observed mean difference 80 % of the time, "
+                                  "at this spread (None: no difference observed)")
 
 
 def _values(outcomes: Sequence[Outcome], measure: str) -> np.ndarray:
@@ -119,9 +126,28 @@ def paired(a: str, b: str, measure: str, outcomes_a: Sequence[Outcome], outcomes
         idx_BQ = np.random.default_rng(seed).integers(0, n, size=(resamples, n))
         means_B = diff_Q[idx_BQ].mean(axis=1)
         ci = (round(float(np.percentile(means_B, 2.5)), 6), round(float(np.percentile(means_B, 97.5)), 6))
+    mde, needed = power(diff_Q)
     return Paired(a=a, b=b, measure=measure, n=n, mean_diff=round(float(diff_Q.mean()), 6),
                   wins=int((diff_Q > TIE_EPS).sum()), ties=int((np.abs(diff_Q) <= TIE_EPS).sum()),
-                  losses=int((diff_Q < -TIE_EPS).sum()), ci95=ci)
+                  losses=int((diff_Q < -TIE_EPS).sum()), ci95=ci, mde80=mde, n_needed=needed)
+
+
+#: z(0.975) + z(0.8): a two-sided 5 % test that finds a true difference of this many standard errors 80 % of the time
+POWER_Z = 1.959964 + 0.841621
+
+
+def power(diff_Q: np.ndarray) -> tuple[float | None, int | None]:
+    """(minimum detectable difference at 80 % power, queries needed for the observed one) of paired differences.
+
+    Why: an interval that includes 0 says nothing by itself; beside the smallest difference this many
+    queries can see, it says whether a target stated as "an interval above 0" was within reach."""
+    n = len(diff_Q)
+    if n < 2:
+        return None, None
+    sd = float(diff_Q.std(ddof=1))
+    mean = abs(float(diff_Q.mean()))
+    needed = math.ceil((POWER_Z * sd / mean) ** 2) if mean > TIE_EPS else None
+    return round(POWER_Z * sd / math.sqrt(n), 6), needed
 
 
 def summarise(outcomes: Mapping[str, Sequence[Outcome]], adapters: Mapping[str, str], *,

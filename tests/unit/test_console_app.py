@@ -3,6 +3,7 @@ agree is published on ``reviews`` and stored."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -136,6 +137,36 @@ def test_an_unknown_run_or_evaluation_is_a_404(app):
         assert r.status_code == 404, path
         assert "no/such" in r.json()["reason"]
     assert client.get("/run?id=train/run").status_code == 200  # the one that exists
+
+
+def test_the_evaluation_page_shows_each_comparisons_interval_and_power_and_reads_older_reports(app, tmp_path):
+    from services.evaluate.metrics import paired
+    from services.evaluate.policies import Outcome
+
+    def outs(policy: str, human: list[float]) -> list[Outcome]:
+        return [Outcome(policy=policy, called=("a",), returned="a", cost_usd=0.001, latency_ms=5.0, human=h,
+                        judge=None) for h in human]
+
+    c = paired("candidate", "linear", "human", outs("candidate", [0.5, 0.6, 0.4, 0.9]),
+               outs("linear", [0.4, 0.6, 0.5, 0.7]), resamples=200)
+    policies = {"candidate": {"human": {"mean": 0.6, "n": 4}, "judge": {"mean": None, "n": 0},
+                              "cost_per_query_usd": 0.001, "queries": 4, "fallbacks": {}}}
+    older = {"a": "candidate", "b": "best_single", "measure": "judge", "n": 0, "mean_diff": None,
+             "wins": 0, "ties": 0, "losses": 0, "ci95": None}  # before the power fields; no interval at n = 0
+    for name, comparisons in (("now", [c.model_dump(mode="json")]), ("older", [older])):
+        (tmp_path / "runs" / "evals" / name).mkdir(parents=True)
+        (tmp_path / "runs" / "evals" / name / "eval.json").write_text(
+            json.dumps({"policies": policies, "comparisons": comparisons}))
+    client, _ = app
+    r = client.get("/eval?id=evals/now", headers=HTML)
+    assert r.status_code == 200, r.text
+    assert c.ci95 is not None and c.mde80 is not None and c.n_needed is not None
+    for shown in (f"[{c.ci95[0]:+.4f}, {c.ci95[1]:+.4f}]", f"<td class=\"num\">{c.mde80:.4f}</td>", f"{c.n_needed:,}",
+                  "detectable |Δ| (80 % power)"):
+        assert shown in r.text, shown
+    r = client.get("/eval?id=evals/older", headers=HTML)
+    assert r.status_code == 200, r.text
+    assert "best_single" in r.text
 
 
 def test_a_signed_in_agree_is_published_and_stored(tmp_path):

@@ -3,10 +3,13 @@ figures over queries (gain share, percentiles, fallbacks) and paired comparisons
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 
 from services.evaluate import policies as pol
-from services.evaluate.metrics import gain_share, paired, policy_metrics, summarise
+from services.evaluate.metrics import POWER_Z, gain_share, paired, policy_metrics, power, summarise
 from services.evaluate.policies import FUSED, Outcome, QueryScores, RouterCall
 from tests.support.records import candidate, trace
 
@@ -110,6 +113,23 @@ def test_paired_comparison_and_seeded_bootstrap():
     assert p.ci95 is not None and p.ci95[0] <= 0 <= p.ci95[1]
     assert paired("a", "b", "human", a, b, seed=1) == p  # seeded: reproducible
     assert paired("a", "b", "judge", a, b).n == 0
+
+
+def test_the_power_figures_follow_the_spread_and_the_observed_difference():
+    # 100 paired differences of +0.02 ± 0.2: SD 0.201 (ddof 1), so 2.80 · 0.201 / 10 detectable at 80 %
+    diff_Q = np.array([0.22, -0.18] * 50)
+    mde, needed = power(diff_Q)
+    sd = float(diff_Q.std(ddof=1))
+    assert mde == pytest.approx(POWER_Z * sd / 10, abs=1e-6) and mde == pytest.approx(0.0563, abs=1e-4)
+    assert needed == math.ceil((POWER_Z * sd / abs(diff_Q.mean())) ** 2)  # (2.80 · SD / mean)², about 793
+    assert 790 < needed < 800
+    assert power(diff_Q * 2) == (pytest.approx(2 * mde), needed)  # both scale with the spread, n does not move
+    assert power(diff_Q - 0.02)[1] is None  # no observed difference: no query count reaches it
+    assert power(np.array([0.5])) == (None, None)
+    a = [_o("a", h, None) for h in (0.5, 0.6, 0.4, 0.9)]
+    b = [_o("b", h, None) for h in (0.4, 0.6, 0.5, 0.7)]
+    p = paired("a", "b", "human", a, b)
+    assert (p.mde80, p.n_needed) == power(np.array([0.1, 0.0, -0.1, 0.2]))
 
 
 def test_summarise_adds_gain_shares_and_comparisons():
