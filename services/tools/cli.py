@@ -194,6 +194,11 @@ def _rl(args: argparse.Namespace) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=2, default=str))
     if args.recipe == "preflight" and summary["non_model_errors"]:
         return 1
+    if args.recipe == "smoke" and all("skipped" in st for st in summary.get("steps", [])):
+        print("fanroute rl smoke: nothing was trained: every group was uniform (each task's rollouts scored "
+              "alike). The policy answers these tasks the same way every time: start from a less certain "
+              "adapter, or pass --group-size 4 or --max-tasks 10", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -6,8 +6,9 @@ on one Kafka and Redis; these recipes start them with the sizes the guide names 
 
 - ``preflight``: every task once with the untrained policy (no training); the non-model error rate
   (sandbox failures, grader crashes, harness timeouts and crashes) must be 0;
-- ``smoke``: one task, a group of two, one step, synchronous; its wall time. A uniform group (both rollouts
-  scored alike) is rolled out again up to 4 times, so the one step has something to train on; the base
+- ``smoke``: one group of two, one step, synchronous; its wall time. A uniform group (both rollouts scored
+  alike) is set aside and the next of up to 16 contested tasks rolled out in its place, so the one step
+  has something to train on (the demo's SFT adapter answered 11 tasks in a row alike twice); the base
   model without an adapter never writes an ordering (every group scores 0): start it from an SFT adapter;
 - ``overfit``: 32 contested tasks, group size 8, synchronous, every step an epoch; training reward per step.
 """
@@ -53,7 +54,7 @@ class Recipe:
     cost_weight: float = DEFAULT_COST_WEIGHT
 
 
-RECIPES = {"smoke": Recipe(tasks=1, group_size=2, groups_per_batch=1, steps=1, resample_uniform=4),
+RECIPES = {"smoke": Recipe(tasks=16, group_size=2, groups_per_batch=1, steps=1, resample_uniform=15),
            "overfit": Recipe(tasks=32, group_size=8, groups_per_batch=32, steps=5, max_tokens=24),
            "preflight": Recipe(tasks=0, group_size=1, groups_per_batch=1, steps=0)}
 
@@ -176,7 +177,7 @@ async def run_recipe(name: str, kafka: KafkaSettings, redis: RedisSettings, task
                steps=steps or r.steps, max_tokens=max_tokens or r.max_tokens, lr=lr or r.lr,
                max_parallel=r.max_parallel, resample_uniform=r.resample_uniform)
     base = resolve_base(base_model or DEFAULT_BASE, prepare=True)
-    tasks = load_tasks(tasks_dir, contested_only=name == "overfit", limit=r.tasks or None)
+    tasks = load_tasks(tasks_dir, contested_only=name in ("overfit", "smoke"), limit=r.tasks or None)
     out_dir.mkdir(parents=True, exist_ok=True)
     model_id = f"rl-{name}-{uuid.uuid4().hex[:6]}"
     t0 = time.perf_counter()

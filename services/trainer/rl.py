@@ -8,8 +8,8 @@ datums (the relay's tokens, the sampler's logprobs, advantage = reward - group m
 the chosen loss (:mod:`services.trainer.policy`) and publishes the adapter, so the runner's next groups
 are stamped with it. ``(max_steps_off_policy + 1) x groups_per_batch`` tasks are kept in flight;
 ``max_steps_off_policy: 0`` is the synchronous loop. With ``resample_uniform: N`` up to N uniform groups
-a step are set aside (counted) and their tasks rolled out again (DAPO's dynamic sampling), so the batch
-fills with groups that have something to learn. ``test/`` rolls out the held-out tasks once each.
+a step are set aside (counted) and the next tasks rolled out in their place (DAPO's dynamic sampling:
+more prompts, not the same one again), so the batch fills with groups that have something to learn. ``test/`` rolls out the held-out tasks once each.
 """
 
 from __future__ import annotations
@@ -178,10 +178,14 @@ class RlLoop:
                          f"(v{group.adapter_version}, {steps_behind(group, step - 1, self.step_of)} steps behind)")
                 continue
             if group.uniform and self.resampled < self.run.resample_uniform:  # dynamic sampling (DAPO)
+                # the next task takes the slot: a policy that answered this one alike twice mostly does again
                 self.resampled += 1
-                await self.send(self.feeder.by_id[group.task_id])
+                (task,) = self.feeder.next_tasks(1)  # the same task when it is the only one
+                await self.send(task)
+                instead = "its task is rolled out again" if task.task_id == group.task_id else \
+                    f"task {task.task_id[:12]} is rolled out in its place"
                 self.out(f"step {step}: uniform group {group.group_id} of task {group.task_id[:12]} "
-                         f"(reward {group.rollouts[0].reward:.3f}); its task is rolled out again")
+                         f"(reward {group.rollouts[0].reward:.3f}); {instead}")
                 continue
             lags.append(steps_behind(group, step - 1, self.step_of))
             taken.append(group)

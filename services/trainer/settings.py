@@ -156,7 +156,8 @@ class RlRun(PolicyLoss):
                                                          "batch had so far (one shape for the whole run)")
     resample_uniform: int = Field(default=0, ge=0, le=100_000,
                                   description="Dynamic sampling (DAPO): up to this many uniform groups a step are "
-                                              "set aside and their tasks rolled out again (0: they fill the batch)")
+                                              "set aside, the next task rolled out in each one's place (the same "
+                                              "task when it is the only one; 0: they fill the batch)")
     micro_batch_rows: int = Field(default=32, ge=1, le=4096,
                                   description="Rows per forward/backward pass; a batch's micro-batches accumulate "
                                               "gradients into one optimizer step (bounds memory, not the maths)")

@@ -1,7 +1,8 @@
 """Run kind rl on the real broker, the runner played by the test: a group stamped before the run is requeued
 (its task goes out on ``tasks`` again), a uniform group is reported and counted, and the step trains on the
-rest and publishes; with dynamic sampling a uniform group is set aside and its task rolled out again (the
-tiny model; the sandboxed end to end run is test_rl_smoke_kafka.py)."""
+rest and publishes; with dynamic sampling a uniform group is set aside and the next task rolled out in its
+place, or the same one when it is the only task (the tiny model; the sandboxed end to end run is
+test_rl_smoke_kafka.py)."""
 
 from __future__ import annotations
 
@@ -94,3 +95,30 @@ async def test_dynamic_sampling_sets_a_uniform_group_aside_and_rolls_its_task_ou
     assert (rec["uniform_resampled"], rec["uniform_groups"], rec["groups"], rec["rows"]) == (1, 0, 1, 2)
     assert rec["reward/mean"] == pytest.approx(0.5) and rec["trained_version"] == 2
     assert any("uniform group" in ln and "rolled out again" in ln for ln in lines)
+
+
+async def test_dynamic_sampling_rolls_out_the_next_task_in_a_uniform_groups_place(kafka_bootstrap, tmp_path):
+    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"rl{uuid.uuid4().hex[:8]}.")
+    base = build_tiny_model(tmp_path / "base")
+    tasks = [build_task(judged_trace(f"t{i}"), verdict_for(f"t{i}"), now=NOW) for i in range(3)]
+    settings = TrainerSettings(kafka=kafka, base_model=str(base), output_dir=tmp_path / "run", max_steps=1,
+                               max_tokens=64, eval_fraction=0.0, checkpoint_every=0, eval_every=0, model_id="router",
+                               run={"type": "rl", "groups_per_batch": 1, "max_steps_off_policy": 0,
+                                    "batch_timeout_s": 120, "resample_uniform": 2})
+    publisher, lines = CountingPublisher(), []
+    trainer = asyncio.create_task(train_rl_async(settings, tasks=tasks, publisher=publisher, out=lines.append))
+    try:
+        (first,) = await wait_for_records(kafka, "tasks", Task, 1, timeout_s=120, what="the run's first task")
+        await publish_once(kafka, topic("rollouts"), group(first, [0.0, 0.0], version=1), client_id="test")
+        sent = await wait_for_records(kafka, "tasks", Task, 2, timeout_s=120, what="a task in the uniform one's place")
+        second = sent[1]
+        assert second.task_id != first.task_id  # another prompt, not the one the policy just answered alike
+        await publish_once(kafka, topic("rollouts"), group(second, [0.0, 1.0], version=1), client_id="test")
+        result = await asyncio.wait_for(trainer, 180)
+    finally:
+        trainer.cancel()
+    assert result.trained and len(publisher.published) == 2
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    (rec,) = [r for r in steps if r.get("step") == 1 and "event" not in r]
+    assert (rec["uniform_resampled"], rec["uniform_groups"], rec["groups"], rec["rows"]) == (1, 0, 1, 2)
+    assert any(f"task {second.task_id[:12]} is rolled out in its place" in ln for ln in lines)

@@ -103,3 +103,17 @@ def test_dataset_as_of_garbage_is_a_usage_error(capsys):
 def test_tasks_verify_on_a_directory_that_is_not_a_task(tmp_path, capsys):
     assert main(["tasks", "verify", str(tmp_path), "--answer", "a > b"]) == 2
     assert "has no tests/test.sh" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("steps", "code"), [([{"step": 1, "skipped": "every group uniform, nothing to train on"}], 1),
+                                             ([{"step": 1, "trained_version": 2}], 0)])
+def test_rl_smoke_that_trained_nothing_says_why_and_exits_1(monkeypatch, tmp_path, capsys, steps, code):
+    import services.tools.rl_recipes as recipes
+
+    async def fake(name, tasks_dir, out_dir, **kw):  # the recipe's summary, without the stack
+        return {"recipe": name, "steps": steps, "version": 2 if code == 0 else 1}
+
+    monkeypatch.setattr(recipes, "main_async", fake)
+    assert main(["rl", "smoke", "--tasks-dir", str(tmp_path)]) == code
+    err = capsys.readouterr().err
+    assert ("nothing was trained: every group was uniform" in err) == (code == 1)
