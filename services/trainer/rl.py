@@ -9,7 +9,8 @@ the chosen loss (:mod:`services.trainer.policy`) and publishes the adapter, so t
 are stamped with it. ``(max_steps_off_policy + 1) x groups_per_batch`` tasks are kept in flight;
 ``max_steps_off_policy: 0`` is the synchronous loop. With ``resample_uniform: N`` up to N uniform groups
 a step are set aside (counted) and the next tasks rolled out in their place (DAPO's dynamic sampling:
-more prompts, not the same one again), so the batch fills with groups that have something to learn. ``test/`` rolls out the held-out tasks once each.
+more prompts, not the same one again), so the batch fills with groups that have something to learn.
+``test/`` rolls out the held-out tasks once each.
 """
 
 from __future__ import annotations
