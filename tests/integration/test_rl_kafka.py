@@ -70,37 +70,12 @@ async def test_a_stale_group_is_requeued_and_a_uniform_group_reported(kafka_boot
     assert any("requeued group" in ln and "inf steps behind" in ln for ln in lines)
 
 
-async def test_dynamic_sampling_sets_a_uniform_group_aside_and_rolls_its_task_out_again(kafka_bootstrap, tmp_path):
+@pytest.mark.parametrize("n_tasks", [1, 3])
+async def test_dynamic_sampling_sets_a_uniform_group_aside_and_rolls_out_the_next_task(kafka_bootstrap, tmp_path,
+                                                                                     n_tasks):
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"rl{uuid.uuid4().hex[:8]}.")
     base = build_tiny_model(tmp_path / "base")
-    (task,) = [build_task(judged_trace("t0"), verdict_for("t0"), now=NOW)]
-    settings = TrainerSettings(kafka=kafka, base_model=str(base), output_dir=tmp_path / "run", max_steps=1,
-                               max_tokens=64, eval_fraction=0.0, checkpoint_every=0, eval_every=0, model_id="router",
-                               run={"type": "rl", "groups_per_batch": 1, "max_steps_off_policy": 0,
-                                    "batch_timeout_s": 120, "resample_uniform": 1})
-    publisher, lines = CountingPublisher(), []
-    trainer = asyncio.create_task(train_rl_async(settings, tasks=[task], publisher=publisher, out=lines.append))
-    try:
-        (sent,) = await wait_for_records(kafka, "tasks", Task, 1, timeout_s=120, what="the run's task")
-        await publish_once(kafka, topic("rollouts"), group(sent, [0.0, 0.0], version=1), client_id="test")
-        again = await wait_for_records(kafka, "tasks", Task, 2, timeout_s=120, what="the uniform group's task again")
-        assert again[1].task_id == task.task_id
-        await publish_once(kafka, topic("rollouts"), group(sent, [1.0, 0.0], version=1), client_id="test")
-        result = await asyncio.wait_for(trainer, 180)
-    finally:
-        trainer.cancel()
-    assert result.trained and len(publisher.published) == 2
-    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    (rec,) = [r for r in steps if r.get("step") == 1 and "event" not in r]
-    assert (rec["uniform_resampled"], rec["uniform_groups"], rec["groups"], rec["rows"]) == (1, 0, 1, 2)
-    assert rec["reward/mean"] == pytest.approx(0.5) and rec["trained_version"] == 2
-    assert any("uniform group" in ln and "rolled out again" in ln for ln in lines)
-
-
-async def test_dynamic_sampling_rolls_out_the_next_task_in_a_uniform_groups_place(kafka_bootstrap, tmp_path):
-    kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"rl{uuid.uuid4().hex[:8]}.")
-    base = build_tiny_model(tmp_path / "base")
-    tasks = [build_task(judged_trace(f"t{i}"), verdict_for(f"t{i}"), now=NOW) for i in range(3)]
+    tasks = [build_task(judged_trace(f"t{i}"), verdict_for(f"t{i}"), now=NOW) for i in range(n_tasks)]
     settings = TrainerSettings(kafka=kafka, base_model=str(base), output_dir=tmp_path / "run", max_steps=1,
                                max_tokens=64, eval_fraction=0.0, checkpoint_every=0, eval_every=0, model_id="router",
                                run={"type": "rl", "groups_per_batch": 1, "max_steps_off_policy": 0,
@@ -112,7 +87,8 @@ async def test_dynamic_sampling_rolls_out_the_next_task_in_a_uniform_groups_plac
         await publish_once(kafka, topic("rollouts"), group(first, [0.0, 0.0], version=1), client_id="test")
         sent = await wait_for_records(kafka, "tasks", Task, 2, timeout_s=120, what="a task in the uniform one's place")
         second = sent[1]
-        assert second.task_id != first.task_id  # another prompt, not the one the policy just answered alike
+        # another prompt, not the one the policy just answered alike; the same one when it is the only task
+        assert (second.task_id == first.task_id) == (n_tasks == 1)
         await publish_once(kafka, topic("rollouts"), group(second, [0.0, 1.0], version=1), client_id="test")
         result = await asyncio.wait_for(trainer, 180)
     finally:
@@ -121,4 +97,6 @@ async def test_dynamic_sampling_rolls_out_the_next_task_in_a_uniform_groups_plac
     steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     (rec,) = [r for r in steps if r.get("step") == 1 and "event" not in r]
     assert (rec["uniform_resampled"], rec["uniform_groups"], rec["groups"], rec["rows"]) == (1, 0, 1, 2)
-    assert any(f"task {second.task_id[:12]} is rolled out in its place" in ln for ln in lines)
+    assert rec["reward/mean"] == pytest.approx(0.5) and rec["trained_version"] == 2
+    said = "its task is rolled out again" if n_tasks == 1 else f"task {second.task_id[:12]} is rolled out in its place"
+    assert any("uniform group" in ln and said in ln for ln in lines)
