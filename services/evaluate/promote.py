@@ -65,6 +65,9 @@ class Check(BaseModel):
     tie: bool = Field(default=False, description="quality: passed as a tie at a fraction of the baseline's cost")
     waived: bool = Field(default=False, description="quality vs best_single: not beaten, waived for a replacement "
                                                     "of a deployed router that fell below the best single provider")
+    detectable: float | None = Field(default=None, description="quality: the smallest difference the held-out "
+                                     "queries detect 80 % of the time (the paired comparison's mde80): a margin "
+                                     "below it is within the noise of this evaluation")
 
     def line(self, min_gain: float) -> str:
         who = f"{self.baseline} ({self.baseline_name})"
@@ -92,8 +95,11 @@ class Check(BaseModel):
         verb = "beats" if self.passed else "does not beat"
         margin = f" by more than {min_gain:g}" if min_gain else ""
         share = "" if self.passed or self.cost_share is None else f"; costs {self.cost_share:.0%} of it"
+        noise = ""
+        if self.detectable is not None and abs(self.candidate_mean - self.baseline_mean) < self.detectable:
+            noise = f"; within the noise: {self.n} queries detect only differences from {self.detectable:.3f}"
         return (f"{self.measure}: candidate {self.candidate_mean:.4f} {verb} {who} {self.baseline_mean:.4f}"
-                f"{margin} (n={self.n}{share})")
+                f"{margin} (n={self.n}{share}{noise})")
 
 
 class Decision(BaseModel):
@@ -118,8 +124,9 @@ class Decision(BaseModel):
 
 
 def _quality(measure: str, policy: str, name: str | None, cand: Any, base: Any, *, min_gain: float,
-             tie_max_cost_share: float) -> Check:
-    """One (measure, baseline) comparison: a gain above ``min_gain``, or a tie at a fraction of the cost."""
+             tie_max_cost_share: float, detectable: float | None = None) -> Check:
+    """One (measure, baseline) comparison: a gain above ``min_gain``, or a tie at a fraction of the cost.
+    ``detectable`` (the paired comparison's mde80) is reported beside it, never part of the rule."""
     c, b = cand.measure(measure), base.measure(measure)
     share = (cand.cost_per_query_usd / base.cost_per_query_usd) if base.cost_per_query_usd > 0 else None
     known = c.mean is not None and b.mean is not None
@@ -127,7 +134,7 @@ def _quality(measure: str, policy: str, name: str | None, cand: Any, base: Any, 
     tie = (known and not gain and c.mean >= b.mean - TIE_EPS and share is not None
            and share <= tie_max_cost_share)
     return Check(measure=measure, baseline=policy, baseline_name=name, candidate_mean=c.mean, baseline_mean=b.mean,
-                 n=c.n, passed=bool(gain or tie), cost_share=share, tie=bool(tie))
+                 n=c.n, passed=bool(gain or tie), cost_share=share, tie=bool(tie), detectable=detectable)
 
 
 def _waive_for_replacement(report: EvalReport, checks: list[Check]) -> list[Check]:
@@ -162,11 +169,12 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
         baselines.append((DEPLOYED, i.deployed))
     if LINEAR in report.policies:
         baselines.append((LINEAR, report.policies[LINEAR].adapter))
+    mde = {(c.b, c.measure): c.mde80 for c in report.comparisons if c.a == CANDIDATE}
     checks = []
     for measure in MEASURES:
         for policy, name in baselines:
             checks.append(_quality(measure, policy, name, cand, report.policies[policy], min_gain=min_gain,
-                                   tie_max_cost_share=tie_max_cost_share))
+                                   tie_max_cost_share=tie_max_cost_share, detectable=mde.get((policy, measure))))
     checks = _waive_for_replacement(report, checks)
     if max_router_p99_ms is not None:
         p99 = cand.router_p99_ms if cand.router_p99_ms is not None else float("inf")

@@ -299,3 +299,18 @@ def test_no_replacement_while_the_deployed_routers_fall_is_within_the_noise():
     assert decide(report.model_copy(update={"comparisons": noisy})).decision == "refuse"
     clear = [p.model_copy(update={"ci95": (-0.3, -0.05)}) for p in noisy]
     assert decide(report.model_copy(update={"comparisons": clear})).decision == "promote"
+
+
+def test_a_quality_reason_says_when_the_margin_is_within_what_the_queries_can_detect():
+    from services.evaluate.metrics import Paired
+
+    report = make_report(cand=(0.6, 2.129), best=(0.5, 2.134), deployed_name=None)
+    power = [Paired(a="candidate", b="best_single", measure=m, n=10, mean_diff=d, wins=1, ties=8, losses=1,
+                    ci95=(-0.1, 0.1), mde80=mde) for m, d, mde in (("human", 0.1, 0.05), ("judge", -0.005, 0.112))]
+    d = decide(report.model_copy(update={"comparisons": power}))
+    assert d.decision == "refuse"  # reported beside the rule, never part of it
+    judge, human = (next(c for c in d.checks if c.measure == m and c.rule == "quality") for m in ("judge", "human"))
+    assert (judge.detectable, human.detectable) == (0.112, 0.05)
+    assert "within the noise: 10 queries detect only differences from 0.112" in judge.line(0.0)
+    assert "noise" not in human.line(0.0)  # 0.1 apart is more than the 0.05 it can see
+    assert "noise" not in decide(report).checks[1].line(0.0)  # no comparisons: nothing said
