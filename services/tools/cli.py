@@ -197,7 +197,7 @@ def _rl(args: argparse.Namespace) -> int:
     if args.recipe == "smoke" and all("skipped" in st for st in summary.get("steps", [])):
         print("fanroute rl smoke: nothing was trained: every group was uniform (each task's rollouts scored "
               "alike). The policy answers these tasks the same way every time: start from a less certain "
-              "adapter, or pass --group-size 4 or --max-tasks 10", file=sys.stderr)
+              "adapter, or pass --group-size 4", file=sys.stderr)
         return 1
     return 0
 
