@@ -146,7 +146,7 @@ def power(diff_Q: np.ndarray) -> tuple[float | None, int | None]:
         return None, None
     sd = float(diff_Q.std(ddof=1))
     mean = abs(float(diff_Q.mean()))
-    needed = math.ceil((POWER_Z * sd / mean) ** 2) if mean > TIE_EPS else None
+    needed = max(2, math.ceil((POWER_Z * sd / mean) ** 2)) if mean > TIE_EPS else None  # ≥ 2: a spread at all
     return round(POWER_Z * sd / math.sqrt(n), 6), needed
 
 

@@ -126,6 +126,7 @@ def test_the_power_figures_follow_the_spread_and_the_observed_difference():
     assert power(diff_Q * 2) == (pytest.approx(2 * mde), needed)  # both scale with the spread, n does not move
     assert power(diff_Q - 0.02)[1] is None  # no observed difference: no query count reaches it
     assert power(np.array([0.5])) == (None, None)
+    assert power(np.array([0.1, 0.1, 0.1])) == (0.0, 2)  # no spread: any two queries show it
     a = [_o("a", h, None) for h in (0.5, 0.6, 0.4, 0.9)]
     b = [_o("b", h, None) for h in (0.4, 0.6, 0.5, 0.7)]
     p = paired("a", "b", "human", a, b)
