@@ -178,7 +178,7 @@ def render(report: EvalReport) -> str:
     for c in report.comparisons:
         ci = f" [{c.ci95[0]:+.3f}, {c.ci95[1]:+.3f}]" if c.ci95 else ""
         power = f"; {c.n} queries detect |Δ| ≥ {c.mde80:.3f} with 80 % power" if c.mde80 is not None else ""
-        if c.n_needed is not None and c.mde80 is not None and c.ci95 is not None and c.ci95[0] <= 0 <= c.ci95[1]:
+        if c.n_needed is not None and c.ci95 is not None and c.ci95[0] <= 0 <= c.ci95[1]:  # n_needed: n ≥ 2
             power += f", the observed difference needs ≈ {c.n_needed:,} queries"
         lines.append(f"{c.a} - {c.b} on {c.measure}: {_num(c.mean_diff, '+.3f')}{ci} over {c.n} "
                      f"(wins/ties/losses {c.wins}/{c.ties}/{c.losses}){power}")
