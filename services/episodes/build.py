@@ -9,20 +9,16 @@ from schemas.base import content_id
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.trace import Trace
 from schemas.verdict import Verdict
+from services.common.labels import LABEL_RULE
+from services.common.labels import cost_aware as label_order
 from services.common.ndcg import format_ordering, tie_aware_ndcg
 from services.common.prompt import reward_name, router_turns
 
-#: Within a tier of the judge's ordering (equal grades), the cheaper provider is named first, then the
-#: faster (this trace's measured latency), then by name: a router that learns "first name" learns the
-#: cheaper route wherever quality is equal.
-LABEL_RULE = "judge tiers; within a tier: cost per call ascending, then latency ascending, then name"
-
 
 def cost_aware(tiers: tuple[tuple[str, ...], ...], trace: Trace) -> tuple[tuple[str, ...], ...]:
-    """``tiers`` with each tier sorted by (cost, latency, name) of the trace's candidates (:data:`LABEL_RULE`)."""
-    price = {c.provider: (c.cost_usd, c.latency_ms) for c in trace.candidates}
-    missing = (float("inf"), float("inf"))
-    return tuple(tuple(sorted(tier, key=lambda n: (*price.get(n, missing), n))) for tier in tiers)
+    """``tiers`` with each tier sorted by the trace's cost per call, then name (:data:`LABEL_RULE`): a
+    router that learns "first name" learns the cheaper route wherever quality is equal."""
+    return label_order(tiers, {c.provider: c.cost_usd for c in trace.candidates})
 
 
 def episode_id(trace_id: str) -> str:

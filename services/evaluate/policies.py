@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from schemas.trace import Candidate, Trace
+from services.common.labels import best
 from services.router.policy import call_order
 
 #: The fan-out policy's answer (the RRF-fused list) as a candidate name in the judge's and humans' scores.
@@ -125,11 +126,8 @@ def routed(q: QueryScores, policy: str, call: RouterCall, fallback_provider: str
 
 
 def _best(q: QueryScores, scores: Mapping[str, float]) -> str:
-    """The provider with the highest score; ties go to the cheapest, then the fastest, then by name."""
-    def key(name: str) -> tuple[float, float, float, str]:
-        c = q.candidate(name)
-        return (-scores.get(name, 0.0), c.cost_usd, c.latency_ms, name)
-    return min(q.providers, key=key)
+    """The provider with the highest score; ties go to the cheapest, then by name (the labels' rule)."""
+    return best(q.providers, scores, {n: q.candidate(n).cost_usd for n in q.providers})
 
 
 def oracle(q: QueryScores) -> Outcome:
@@ -147,7 +145,7 @@ def oracle(q: QueryScores) -> Outcome:
 
 
 def judge_oracle(q: QueryScores) -> Outcome:
-    """Per query the judge's first provider (its top grade; ties: cheapest, then fastest), scored on both measures.
+    """Per query the judge's first provider (its top grade; ties: cheapest, then by name), scored on both measures.
 
     This is the label ceiling: a student distilled from this judge can at best learn to name this provider,
     so its human score is the most such a student can reach. None of it when the judge failed on the query.

@@ -30,9 +30,9 @@ NOTES = {
              "failed provider or an unanswered query counts 0",
     "fanout": "returns the RRF-fused list (services/providers/fusion.py); its judge number is the grade of that "
               "list shown to the judge as one more blind candidate; cost = sum, latency = slowest provider",
-    "oracle": "best provider per query in hindsight, separately per measure (ties: cheapest, then fastest); "
+    "oracle": "best provider per query in hindsight, separately per measure (ties: cheapest, then by name); "
               "cost/latency of the human pick where there are qrels, else of the judge pick",
-    "judge_oracle": "per query the judge's first provider (top grade; ties: cheapest, then fastest): the best a "
+    "judge_oracle": "per query the judge's first provider (top grade; ties: cheapest, then by name): the best a "
                     "student distilled from this judge can do, measured on the human qrels",
     "routers": "router ordering, then the best single provider, then the rest, at most max_attempts calls, "
                "next one only when the trace shows the provider failed; a router failure (timeout, error, "

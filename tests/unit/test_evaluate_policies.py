@@ -158,4 +158,9 @@ def test_judge_oracle_is_the_judges_first_pick_scored_on_the_qrels():
     assert (o.returned, o.human, o.cost_usd) == ("a", 0.1, pytest.approx(0.001))
     assert pol.oracle(tied).human == 0.8  # the oracle sees the humans; the judge-oracle is bounded by the judge
     assert pol.judge_oracle(_q(judge=False)).human is None  # no verdict: no pick, left out of the means
+    # equal grade and equal cost: by name, whichever answered faster in this run (the labels' rule)
+    for fast, slow in (("a", "b"), ("b", "a")):
+        t = trace("t", [candidate(fast, cost=0.001, latency=5), candidate(slow, cost=0.001, latency=500)])
+        o = pol.judge_oracle(QueryScores(t, {"a": 0.2, "b": 0.7}, {"a": 2, "b": 2}))
+        assert (o.returned, o.human) == ("a", 0.2)
     assert pol.JUDGE_ORACLE in pol.POLICIES
