@@ -1,11 +1,10 @@
 """``fanroute chain``: SFT → OPSD → RL, every stage measured on the same held-out queries the way the demo
 measures its candidate.
 
-Why a composing command: a stage helps only if routing on queries it never saw gets better, so each
-adapter of the chain (``sft``, ``sft→opsd``, ``sft→rl``, ``sft→opsd→rl``) goes through ``fanroute eval``
-(score mode, the gateway's λ, the demo's router timeout, human qrels and the judge, the linear router
-beside it) and through the trainer's greedy eval (parse rate, ``test/`` nDCG against the judge's
-ordering), and each row carries a paired bootstrap interval of its difference to the SFT start.
+Why a composing command: a stage helps only if routing on queries it never saw gets better, so each adapter
+(``sft``, ``sft→opsd``, ``sft→rl``, ``sft→opsd→rl``) goes through ``fanroute eval`` asked as the demo's routed
+gateway asks (human qrels, the judge, the linear router beside it) and the trainer's greedy eval (parse rate),
+and each row carries a paired bootstrap interval of its difference to the SFT start.
 
 Splits (nothing is tuned on the held-out queries): the demo's training episodes train every stage;
 OPSD's own ``test/`` figures are a hashed tenth of those training episodes; RL rolls out only the replay
@@ -25,6 +24,7 @@ from typing import Any
 from services.common.errors import FanrouteError
 from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.common.settings import KafkaSettings, RedisSettings
+from services.tools.demo_loop import LoopOptions
 from services.tools.serving import free_port, served
 
 STAGES = ("sft", "opsd", "rl", "opsd-rl")
@@ -71,8 +71,8 @@ class ChainOptions:
     opsd: OpsdKnobs = field(default_factory=OpsdKnobs)
     rl: RlKnobs = field(default_factory=RlKnobs)
     greedy_eval_max: int = 64
-    router_timeout_s: float = 5.0  # the demo's (services/tools/demo_loop.py LoopOptions)
-    router_max_tokens: int = 8
+    # routers asked as the demo's routed gateway asks (mode, decision, λ, timeout): the SFT row is the demo's eval
+    asked: LoopOptions = field(default_factory=LoopOptions)
     resamples: int = 2000
 
 
@@ -211,8 +211,10 @@ async def routed_evals(data: DemoData, base: Path, adapters: dict[str, Path], op
             t0 = time.perf_counter()
             reports[stage] = await run_eval(EvalOptions(
                 train_episodes=data.train_file, candidate=f"{MODEL}-{stage}@1", deployed="none", router_url=url,
-                traces_file=data.traces_file, router_timeout_s=opts.router_timeout_s,
-                router_max_tokens=opts.router_max_tokens, resamples=opts.resamples, progress=False), judge)
+                traces_file=data.traces_file, router_timeout_s=opts.asked.router_timeout_s,
+                router_max_tokens=opts.asked.router_max_tokens, router_mode=opts.asked.router_mode,
+                decision=opts.asked.decision, cost_weight=opts.asked.cost_weight, resamples=opts.resamples,
+                progress=False), judge)
             print_(f"chain: eval of {LABELS[stage]} in {time.perf_counter() - t0:.0f}s")
     return reports
 

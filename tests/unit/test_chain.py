@@ -79,3 +79,51 @@ def test_the_table_puts_each_stage_beside_its_interval_to_sft():
     text = render(rows)
     assert "| **sft→opsd** | 0.500 | +0.010 [-0.010, +0.030] | 1.82 | +0.020 [—, —] | $0.00120 | 0.99 | 72% | nDCG 0.880 → 0.900 (step 24) |" in text
     assert "| *linear* | 0.470 |" in text
+
+
+async def test_every_stage_is_evaluated_as_the_demos_routed_gateway_asks(tmp_path, monkeypatch):
+    """The chain's SFT row must be the demo's own evaluation of that adapter: same mode, decision, λ, timeout."""
+    import contextlib
+
+    import services.evaluate.run as run_mod
+    import services.sampler.app as sampler_app
+    import services.trainer.sampler_client as client_mod
+    from services.tools import chain
+    from services.tools.demo_loop import LoopOptions
+
+    @contextlib.asynccontextmanager
+    async def fake_served(app, port, **_):
+        yield f"http://127.0.0.1:{port}"
+
+    class FakeClient:
+        def __init__(self, url):
+            self.loaded = []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def load_adapter(self, name, path):
+            self.loaded.append(name)
+
+    asked = []
+
+    async def fake_run_eval(opts, judge):
+        asked.append(opts)
+        return opts.candidate
+
+    monkeypatch.setattr(chain, "served", fake_served)
+    monkeypatch.setattr(sampler_app, "create_app", lambda settings: None)
+    monkeypatch.setattr(client_mod, "SamplerClient", FakeClient)
+    monkeypatch.setattr(run_mod, "run_eval", fake_run_eval)
+    data = chain.load_demo(_demo(tmp_path))
+    reports = await chain.routed_evals(data, tmp_path, {"sft": tmp_path, "rl": tmp_path},
+                                       chain.ChainOptions(out_dir=tmp_path / "out"), print)
+    demo = LoopOptions()
+    assert set(reports) == {"sft", "rl"} and len(asked) == 2
+    for opts in asked:
+        assert (opts.router_mode, opts.decision, opts.cost_weight, opts.router_timeout_s, opts.router_max_tokens) == (
+            demo.router_mode, demo.decision, demo.cost_weight, demo.router_timeout_s, demo.router_max_tokens)
+    assert demo.router_mode == "first-token" and demo.cost_weight > 0  # not the gateway's bare defaults
