@@ -61,6 +61,9 @@ def _add_eval_arguments(p: argparse.ArgumentParser, *, train_required: bool) -> 
                    help="top-tier: expected quality = P(in the judge's top tier), through each router's top-tier "
                         "table (an adapter's is pulled from --publisher-url); first-choice: P(the judge's "
                         "cost-aware first choice). As the gateway's routing.decision")
+    p.add_argument("--rates-file", type=Path, default=None,
+                   help="top-tier: this table (an adapter's top_tier_rates.json) for every adapter asked, instead "
+                        "of each one's from --publisher-url")
     p.add_argument("--max-attempts", type=int, default=2, help="providers tried per query (failover)")
     p.add_argument("--concurrency", type=int, default=1, help="router and judge calls in flight")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
@@ -156,7 +159,7 @@ def _options(args: argparse.Namespace):
                        since=args.since, until=args.until, router_timeout_s=args.router_timeout,
                        router_max_tokens=args.router_max_tokens, router_mode=args.router_mode,
                        router_kind=args.router_kind, cost_weight=args.cost_weight, decision=args.decision,
-                       max_attempts=args.max_attempts,
+                       rates_file=args.rates_file, max_attempts=args.max_attempts,
                        concurrency=args.concurrency, seed=args.seed, resamples=args.bootstrap,
                        progress=not args.no_progress)
 

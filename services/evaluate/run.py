@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -51,6 +53,10 @@ class EvalOptions(BaseModel):
                                description="λ of the routers' rows: expected quality − λ · cost (the curve sweeps λ)")
     decision: Decision = Field(default=DEFAULT_DECISION,
                                description="What the expected quality is, as the gateway's routing.decision")
+    rates_file: Path | None = Field(
+        default=None, description="A top-tier table (an adapter's top_tier_rates.json) for every LM router "
+                                  "asked, instead of each version's from publisher_url; without either, top-tier "
+                                  "decides by the first choice, as the gateway does for a version without one")
     max_attempts: int = Field(default=2, ge=1, le=32)
     concurrency: int = Field(default=1, ge=1, le=256)
     seed: int = 0
@@ -171,18 +177,30 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
     for name in names:
         await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     calls: dict[str, dict[str, RouterCall]] = {}
-    rates_from = opts.publisher_url if opts.decision == "top-tier" else None
+    local = local_rates(opts.rates_file) if opts.rates_file is not None and opts.decision == "top-tier" else None
+    rates_from = opts.publisher_url if opts.decision == "top-tier" and local is None else None
     async with RouterClient(opts.router_url, timeout_s=opts.router_timeout_s, max_tokens=opts.router_max_tokens,
                             mode=opts.router_mode, rates_from=rates_from) as client:
         for name in names:
-            calls[name] = with_cost_weight(
-                await ask_all(client, name, traces, concurrency=opts.concurrency, progress=opts.progress),
-                traces, opts.cost_weight, opts.decision)
+            asked = await ask_all(client, name, traces, concurrency=opts.concurrency, progress=opts.progress)
+            if local is not None:
+                asked = {tid: replace(c, rates=local) for tid, c in asked.items()}
+            calls[name] = with_cost_weight(asked, traces, opts.cost_weight, opts.decision)
             if any(c.error_kind == "router_error" for c in calls[name].values()):
                 # An error may be the router's or the server's: a server that went away (or stopped
                 # serving the adapter) spoils the measurement rather than measuring the router.
                 await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     return calls
+
+
+def local_rates(path: Path) -> dict[str, dict[str, float]]:
+    """The top-tier table in ``path``; :class:`EvalInputError` naming the file and what is wrong."""
+    from services.router.rates import from_json
+
+    try:
+        return from_json(json.loads(path.read_text()))
+    except (OSError, ValueError) as exc:  # RatesError and JSONDecodeError are ValueErrors
+        raise EvalInputError(f"--rates-file {path}: {exc}") from exc
 
 
 async def _ask_linear(opts: EvalOptions, names: list[str], traces: list[Trace]) -> dict[str, dict[str, RouterCall]]:
@@ -211,8 +229,6 @@ def with_cost_weight(calls: dict[str, RouterCall], traces: list[Trace], cost_wei
                      decision: Decision = DEFAULT_DECISION) -> dict[str, RouterCall]:
     """Scored calls re-ordered by expected quality − λ · cost, each provider's cost as its trace says (what
     the gateway does with the same scores and the same decision)."""
-    from dataclasses import replace
-
     from services.router.scoring import decide
 
     by_id = {t.trace_id: t for t in traces}

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from services.common.adapter_files import RATES_FILE
 from services.common.errors import FanrouteError
 from services.common.rewards import DEFAULT_COST_WEIGHT
 from services.common.settings import KafkaSettings, RedisSettings
@@ -71,8 +72,7 @@ class ChainOptions:
     opsd: OpsdKnobs = field(default_factory=OpsdKnobs)
     rl: RlKnobs = field(default_factory=RlKnobs)
     greedy_eval_max: int = 64
-    # routers asked as the demo's routed gateway asks (mode, decision, λ, timeout): the SFT row is the demo's eval
-    asked: LoopOptions = field(default_factory=LoopOptions)
+    asked: LoopOptions = field(default_factory=LoopOptions)  # as the demo's routed gateway asks: the SFT row = its eval
     resamples: int = 2000
 
 
@@ -214,7 +214,7 @@ async def routed_evals(data: DemoData, base: Path, adapters: dict[str, Path], op
                 traces_file=data.traces_file, router_timeout_s=opts.asked.router_timeout_s,
                 router_max_tokens=opts.asked.router_max_tokens, router_mode=opts.asked.router_mode,
                 decision=opts.asked.decision, cost_weight=opts.asked.cost_weight, resamples=opts.resamples,
-                progress=False), judge)
+                rates_file=data.sft_adapter / RATES_FILE, progress=False), judge)  # every stage: the same labels
             print_(f"chain: eval of {LABELS[stage]} in {time.perf_counter() - t0:.0f}s")
     return reports
 

@@ -108,6 +108,29 @@ def test_a_scoring_router_is_drawn_over_lambda_on_the_cost_quality_plane(inputs,
     assert "candidate over λ, human: cost-quality" in out and "AIQ router" in out and "APGR" in out
 
 
+def test_a_rates_file_gives_every_adapter_asked_its_top_tier_table(inputs, scoring_router, capsys):
+    """Without a publisher an adapter has no top-tier table and decides by the first choice ('good', P 0.7);
+    a table that puts 'cheap' in every label's top tier sends every query there. A bad file is named."""
+    from services.router.rates import to_json
+
+    args = [a for a in _eval_args(inputs, scoring_router, "--candidate", "router@2", "--deployed", "none")
+            if a not in ("--router-mode", "generate")]
+    assert main(args) == 0
+    firsts = {q["outcomes"]["candidate"]["called"][0]
+              for q in json.loads((inputs / "out" / "eval.json").read_text())["queries"]}
+    assert firsts == {"good"}
+    table = inputs / "top_tier_rates.json"
+    table.write_text(json.dumps(to_json({lab: {"cheap": 1.0, "good": 0.0, "flaky": 0.0} for lab in PROVIDERS}, 9)))
+    assert main([*args, "--rates-file", str(table)]) == 0
+    report = json.loads((inputs / "out" / "eval.json").read_text())
+    assert {q["outcomes"]["candidate"]["called"][0] for q in report["queries"]} == {"cheap"}
+    capsys.readouterr()
+    table.write_text('{"format": "something else"}')
+    _fails(capsys, [*args, "--rates-file", str(table)],
+           "--rates-file", "top_tier_rates.json", "fanroute-top-tier-rates")
+    _fails(capsys, [*args, "--rates-file", str(inputs / "missing.json")], "--rates-file", "missing.json")
+
+
 def test_router_server_errors_are_counted_fallbacks(inputs, router, capsys):
     assert main(_eval_args(inputs, router, "--candidate", "router@5", "--deployed", "none")) == 0
     assert "first router_error: router router@5: HTTP 500" in capsys.readouterr().out
