@@ -9,16 +9,9 @@ from schemas.base import content_id
 from schemas.episode import ChatMessage, Episode, RewardComponent
 from schemas.trace import Trace
 from schemas.verdict import Verdict
-from services.common.labels import LABEL_RULE
-from services.common.labels import cost_aware as label_order
+from services.common.labels import LABEL_RULE, cost_aware
 from services.common.ndcg import format_ordering, tie_aware_ndcg
 from services.common.prompt import reward_name, router_turns
-
-
-def cost_aware(tiers: tuple[tuple[str, ...], ...], trace: Trace) -> tuple[tuple[str, ...], ...]:
-    """``tiers`` with each tier sorted by the trace's cost per call, then name (:data:`LABEL_RULE`): a
-    router that learns "first name" learns the cheaper route wherever quality is equal."""
-    return label_order(tiers, {c.provider: c.cost_usd for c in trace.candidates})
 
 
 def episode_id(trace_id: str) -> str:
@@ -43,7 +36,9 @@ def build_episode(trace: Trace, verdict: Verdict, components: Iterable[RewardCom
     rewards = {c.name: c for c in components}
     own = ndcg_component(ep_id, verdict, verdict.ordering)
     rewards.setdefault(own.name, own)
-    ordering = cost_aware(verdict.ordering, trace)
+    # within a tier the cheaper provider first (LABEL_RULE): a router that learns "first name" learns the
+    # cheaper route wherever quality is equal
+    ordering = cost_aware(verdict.ordering, {c.provider: c.cost_usd for c in trace.candidates})
     return Episode(
         episode_id=ep_id, trace_id=trace.trace_id, created_at=now or datetime.now(UTC),
         messages=(*router_turns((c.provider for c in trace.candidates), trace.query),

@@ -214,7 +214,7 @@ async def routed_evals(data: DemoData, base: Path, adapters: dict[str, Path], op
                 traces_file=data.traces_file, router_timeout_s=opts.asked.router_timeout_s,
                 router_max_tokens=opts.asked.router_max_tokens, router_mode=opts.asked.router_mode,
                 decision=opts.asked.decision, cost_weight=opts.asked.cost_weight, resamples=opts.resamples,
-                rates_file=data.sft_adapter / RATES_FILE, progress=False), judge)  # every stage: the same labels
+                rates_file=Path(adapters[stage]) / RATES_FILE, progress=False), judge)  # its own (OPSD/RL inherit)
             print_(f"chain: eval of {LABELS[stage]} in {time.perf_counter() - t0:.0f}s")
     return reports
 
