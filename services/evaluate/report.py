@@ -84,6 +84,9 @@ class EvalInputs(BaseModel):
     cost_weight: float = Field(default=0.0, description="λ the router rows decide with")
     decision: Decision = Field(
         default="first-choice", description="What the router rows' expected quality was (routing.decision)")
+    untabled: dict[str, int] = Field(
+        default_factory=dict, description="decision top-tier: router → scored answers decided by the first choice "
+                                          "instead, for want of a top-tier table (none: every answer had one)")
     seed: int
     notes: dict[str, str] = Field(default_factory=lambda: dict(NOTES))
 
@@ -158,6 +161,8 @@ def render(report: EvalReport) -> str:
              if any(i.excluded.values()) else f"held-out fan-out traces: {i.held_out} (read {i.traces_read})",
              f"human measure over {i.human_queries} queries with qrels; judge {i.judge.model} "
              f"(rubric {i.judge.rubric_hash[:8]}) over {i.held_out - i.judge_failed}",
+             f"routers decide by {i.decision}, λ = {i.cost_weight:g}"
+             + "".join(f"; {n}: {k} answers had no top-tier table (first choice)" for n, k in i.untabled.items()),
              head, "-" * len(head)]
     for name in POLICIES:
         m = report.policies.get(name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +30,8 @@ from services.evaluate.report import EvalInputs, EvalReport, JudgeRecord, QueryR
 from services.evaluate.routers import ask_all, probe, split_served_name
 from services.judge.settings import JudgeSettings
 from services.router.modes import DEFAULT_DECISION, DEFAULT_MODE, Decision, RouterMode
+
+log = logging.getLogger(__name__)
 
 
 class EvalOptions(BaseModel):
@@ -107,6 +110,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
     if linear is not None:
         adapters[pol.LINEAR] = LINEAR_NAME
         calls[LINEAR_NAME] = linear_calls(linear, held.traces, opts.cost_weight, top_tier=opts.decision == "top-tier")
+    untabled = without_table(calls, opts.decision)
     scored, judge = await _score(opts, settings, held.traces)
     outcomes, rows = replay(scored, adapters, calls, best.provider, opts.max_attempts)
     metrics, comparisons = summarise(outcomes, adapters, seed=opts.seed, resamples=opts.resamples)
@@ -121,7 +125,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         router_url=opts.router_url, router_timeout_s=opts.router_timeout_s,
         router_max_tokens=opts.router_max_tokens, max_attempts=opts.max_attempts, judge=judge,
         best_single=best, linear=linear.describe() if linear is not None else None, cost_weight=opts.cost_weight,
-        decision=opts.decision, seed=opts.seed)
+        decision=opts.decision, untabled=untabled, seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
                       queries=rows, frontier=curves, collections=per_collection(scored, outcomes))
 
@@ -191,6 +195,22 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
                 # serving the adapter) spoils the measurement rather than measuring the router.
                 await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     return calls
+
+
+def without_table(calls: dict[str, dict[str, RouterCall]], decision: Decision) -> dict[str, int]:
+    """Router → its scored answers that had no top-tier table, so were decided by the first choice (as a
+    gateway decides for a version that published none); each such router is warned about."""
+    if decision != "top-tier":
+        return {}
+    out = {}
+    for name, asked in calls.items():
+        scored = [c for c in asked.values() if c.scores and c.error_kind is None]
+        if missing := sum(c.rates is None for c in scored):
+            out[name] = missing
+            log.warning("decision top-tier: %d of %d scored answers of %s had no top-tier table (no --publisher-url "
+                        "or --rates-file, or the version published none) and were decided by the first choice",
+                        missing, len(scored), name)
+    return out
 
 
 def local_rates(path: Path) -> dict[str, dict[str, float]]:

@@ -6,10 +6,10 @@ Why a composing command: a stage helps only if routing on queries it never saw g
 gateway asks (human qrels, the judge, the linear router beside it) and the trainer's greedy eval (parse rate),
 and each row carries a paired bootstrap interval of its difference to the SFT start.
 
-Splits (nothing is tuned on the held-out queries): the demo's training episodes train every stage;
-OPSD's own ``test/`` figures are a hashed tenth of those training episodes; RL rolls out only the replay
-tasks of training queries and evaluates (``--eval-every``) on tasks of held-out queries, which the
-table's held-out rows also use. The stages' knobs are fixed in :class:`ChainOptions` before the run.
+Splits (nothing is tuned on the held-out queries): the demo's training episodes train every stage; OPSD's own ``test/``
+figures are a hashed tenth of those training episodes; RL rolls out only the replay tasks of training queries and
+evaluates (``--eval-every``) on tasks of held-out queries, which the table's held-out rows also use. The stages' knobs
+are fixed in :class:`ChainOptions` before the run.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def load_demo(demo_dir: Path) -> DemoData:
     from services.trainer.data import load_episodes_file
     from services.trainer.rl_data import load_tasks, task_query
 
-    need = {"train episodes": demo_dir / "train" / "episodes.jsonl", "eval traces": demo_dir / "eval" / "traces.jsonl",
-            "all episodes": demo_dir / "episodes" / "episodes.jsonl", "SFT adapter": demo_dir / "train" / "run" / "adapter",
-            "replay tasks": demo_dir / "tasks"}
+    need = {"train episodes": demo_dir / "train/episodes.jsonl", "eval traces": demo_dir / "eval/traces.jsonl",
+            "all episodes": demo_dir / "episodes/episodes.jsonl", "replay tasks": demo_dir / "tasks",
+            "SFT adapter": demo_dir / "train/run/adapter", "its table": demo_dir / "train/run/adapter" / RATES_FILE}
     missing = [f"{what} ({path})" for what, path in need.items() if not path.exists()]
     if missing:
         raise ChainInputError(f"{demo_dir} is not a finished demo: missing {', '.join(missing)}; run `make demo`")

@@ -7,13 +7,14 @@ import pytest
 
 from services.common.dataset import write_jsonl
 from services.episodes.tasks import build_task, write_task
+from services.common.adapter_files import RATES_FILE
 from services.tools.chain import ChainInputError, load_demo, render
 from tests.support.records import NOW, episode, judged_trace, verdict_for
 
 PROVIDERS = ("bm25-all", "dense-all", "eng-bm25", "lib-bm25")
 
 
-def _demo(tmp_path, *, with_adapter: bool = True):
+def _demo(tmp_path, *, with_adapter: bool = True, with_table: bool = True):
     demo = tmp_path / "demo"
     eps = [episode(q, "bm25-all > eng-bm25", PROVIDERS, f"e-{i}", trace_id=f"t-{i}")
            for i, q in enumerate(["wing flutter", "protein folding", "lunar regolith"])]
@@ -23,6 +24,8 @@ def _demo(tmp_path, *, with_adapter: bool = True):
     (demo / "eval" / "traces.jsonl").write_text("")
     if with_adapter:
         (demo / "train" / "run" / "adapter").mkdir(parents=True)
+        if with_table:
+            (demo / "train" / "run" / "adapter" / RATES_FILE).write_text("{}")
     for i, q in enumerate(["wing flutter", "protein folding", "lunar regolith"]):
         trace = judged_trace(f"t-{i}").model_copy(update={"query": q})
         write_task(build_task(trace, verdict_for(f"t-{i}"), now=NOW), demo / "tasks")
@@ -37,6 +40,12 @@ def _demo(tmp_path, *, with_adapter: bool = True):
 def test_an_unfinished_demo_directory_names_what_is_missing(tmp_path):
     with pytest.raises(ChainInputError, match=r"missing SFT adapter .*run `make demo`"):
         load_demo(_demo(tmp_path, with_adapter=False))
+
+
+def test_an_adapter_without_its_top_tier_table_is_refused_before_any_stage_runs(tmp_path):
+    """Every stage is asked with the SFT adapter's table (the demo's decision): without it, no eval could."""
+    with pytest.raises(ChainInputError, match=r"missing its table \(.*top_tier_rates.json\)"):
+        load_demo(_demo(tmp_path, with_table=False))
 
 
 def test_episodes_and_tasks_are_split_by_the_demos_training_queries(tmp_path):

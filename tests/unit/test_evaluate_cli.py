@@ -116,14 +116,17 @@ def test_a_rates_file_gives_every_adapter_asked_its_top_tier_table(inputs, scori
     args = [a for a in _eval_args(inputs, scoring_router, "--candidate", "router@2", "--deployed", "none")
             if a not in ("--router-mode", "generate")]
     assert main(args) == 0
-    firsts = {q["outcomes"]["candidate"]["called"][0]
-              for q in json.loads((inputs / "out" / "eval.json").read_text())["queries"]}
-    assert firsts == {"good"}
+    untabled = json.loads((inputs / "out" / "eval.json").read_text())
+    assert {q["outcomes"]["candidate"]["called"][0] for q in untabled["queries"]} == {"good"}
+    n = untabled["inputs"]["held_out"]
+    assert untabled["inputs"]["untabled"] == {"router@2": n}  # said, not silent: in the report and on stdout
+    assert f"routers decide by top-tier, λ = 0; router@2: {n} answers had no top-tier table" in capsys.readouterr().out
     table = inputs / "top_tier_rates.json"
     table.write_text(json.dumps(to_json({lab: {"cheap": 1.0, "good": 0.0, "flaky": 0.0} for lab in PROVIDERS}, 9)))
     assert main([*args, "--rates-file", str(table)]) == 0
     report = json.loads((inputs / "out" / "eval.json").read_text())
     assert {q["outcomes"]["candidate"]["called"][0] for q in report["queries"]} == {"cheap"}
+    assert report["inputs"]["untabled"] == {}
     capsys.readouterr()
     table.write_text('{"format": "something else"}')
     _fails(capsys, [*args, "--rates-file", str(table)],
