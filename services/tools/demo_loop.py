@@ -125,8 +125,9 @@ async def distill_and_route(kafka: KafkaSettings, redis_url: str, data: Split, g
         samp = SamplerSettings(kafka=kafka, redis=redis, port=sport, publisher_url=publisher_url,
                                adapter_cache_dir=out_dir / "sampler-cache", group_id=f"demo-sampler-{sport}")
         async with served(sampler_app(samp), sport, what="sampler") as sampler_url:
-            step(first + 1, steps, f"evaluating {candidate} (served by the CPU sampler at {sampler_url}) on "
-                                   f"{len(data.held_out)} held-out queries against the deployed router, the best "
+            step(first + 1, steps, f"evaluating {candidate} (served by the CPU sampler at {sampler_url}) on the "
+                                   f"{len(data.held_out)} held-out-split traces, less any whose query is also a "
+                                   "training query, against the deployed router, the linear router, the best "
                                    "single provider, the oracle and fan-out")
             report, decision = await _evaluate_and_promote(kafka, data, candidate, publisher_url, sampler_url,
                                                            gateway_settings.providers, out_dir, opts)
