@@ -115,7 +115,8 @@ class Decision(BaseModel):
     tie_max_cost_share: float = Field(default=TIE_MAX_COST_SHARE,
                                       description="A tie on a measure passed at or below this share of the cost")
     decided_by: list[str] = Field(default_factory=list,
-                                  description="The rules that refused, or every rule checked when promoted")
+                                  description="The rules that refused (and already_deployed, decision_mismatch), "
+                                              "or every rule checked when promoted")
     fallback_provider: str = Field(description="The best single provider, handed to the gateway for fallbacks")
     eval_file: str
     decided_at: datetime
@@ -198,6 +199,11 @@ def decide(report: EvalReport, *, min_gain: float = 0.0, eval_file: str = "", ma
     if i.deployed is not None and i.deployed == i.candidate:
         failed.insert(0, f"{i.candidate} is already the deployed router")
         decided_by = ["already_deployed", *decided_by]
+    if i.decision == "top-tier" and i.rates_from == "none" and i.untabled.get(i.candidate):
+        failed.insert(0, f"{i.candidate} was evaluated without a top-tier table (no --publisher-url or --rates-file): "
+                         f"{i.untabled[i.candidate]} of its answers were decided by the first choice, not as a "
+                         "gateway deciding by top-tier decides; evaluate it again with --publisher-url")
+        decided_by = ["decision_mismatch", *decided_by]
     reasons = failed or [ch.line(min_gain) for ch in checks]
     return Decision(candidate=i.candidate, deployed=i.deployed, decision="refuse" if failed else "promote",
                     reasons=reasons, checks=checks, min_gain=min_gain, tie_max_cost_share=tie_max_cost_share,

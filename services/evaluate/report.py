@@ -84,6 +84,9 @@ class EvalInputs(BaseModel):
     cost_weight: float = Field(default=0.0, description="λ the router rows decide with")
     decision: Decision = Field(
         default="first-choice", description="What the router rows' expected quality was (routing.decision)")
+    rates_from: Literal["publisher", "file", "none"] = Field(
+        default="none", description="decision top-tier: where the routers' tables came from (--publisher-url, "
+                                    "--rates-file); none: nowhere, so every LM answer was decided by the first choice")
     untabled: dict[str, int] = Field(
         default_factory=dict, description="decision top-tier: router → scored answers decided by the first choice "
                                           "instead, for want of a top-tier table (none: every answer had one)")

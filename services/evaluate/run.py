@@ -125,7 +125,7 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         router_url=opts.router_url, router_timeout_s=opts.router_timeout_s,
         router_max_tokens=opts.router_max_tokens, max_attempts=opts.max_attempts, judge=judge,
         best_single=best, linear=linear.describe() if linear is not None else None, cost_weight=opts.cost_weight,
-        decision=opts.decision, untabled=untabled, seed=opts.seed)
+        decision=opts.decision, rates_from=rates_source(opts), untabled=untabled, seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
                       queries=rows, frontier=curves, collections=per_collection(scored, outcomes))
 
@@ -195,6 +195,15 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
                 # serving the adapter) spoils the measurement rather than measuring the router.
                 await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     return calls
+
+
+def rates_source(opts: EvalOptions) -> Literal["publisher", "file", "none"]:
+    """Where a top-tier evaluation's tables come from (an LM router's file first, as asked)."""
+    if opts.decision != "top-tier":
+        return "none"
+    if opts.rates_file is not None and opts.router_kind == "lm":
+        return "file"
+    return "publisher" if opts.publisher_url else "none"
 
 
 def without_table(calls: dict[str, dict[str, RouterCall]], decision: Decision) -> dict[str, int]:

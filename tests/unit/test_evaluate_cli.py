@@ -120,13 +120,14 @@ def test_a_rates_file_gives_every_adapter_asked_its_top_tier_table(inputs, scori
     assert {q["outcomes"]["candidate"]["called"][0] for q in untabled["queries"]} == {"good"}
     n = untabled["inputs"]["held_out"]
     assert untabled["inputs"]["untabled"] == {"router@2": n}  # said, not silent: in the report and on stdout
+    assert untabled["inputs"]["rates_from"] == "none"  # so `fanroute promote --eval` refuses it
     assert f"routers decide by top-tier, λ = 0; router@2: {n} answers had no top-tier table" in capsys.readouterr().out
     table = inputs / "top_tier_rates.json"
     table.write_text(json.dumps(to_json({lab: {"cheap": 1.0, "good": 0.0, "flaky": 0.0} for lab in PROVIDERS}, 9)))
     assert main([*args, "--rates-file", str(table)]) == 0
     report = json.loads((inputs / "out" / "eval.json").read_text())
     assert {q["outcomes"]["candidate"]["called"][0] for q in report["queries"]} == {"cheap"}
-    assert report["inputs"]["untabled"] == {}
+    assert report["inputs"]["untabled"] == {} and report["inputs"]["rates_from"] == "file"
     capsys.readouterr()
     table.write_text('{"format": "something else"}')
     _fails(capsys, [*args, "--rates-file", str(table)],

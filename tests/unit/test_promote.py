@@ -78,6 +78,23 @@ def test_every_refusal_reason(kwargs, reason):
     assert any(reason in r for r in d.reasons), d.reasons
 
 
+@pytest.mark.parametrize(("rates_from", "untabled", "promoted"), [
+    ("none", {"router@3": 10}, False),  # no table anywhere: measured by the first choice, not as the gateway decides
+    ("publisher", {"router@3": 10}, True),  # the version published none: the gateway decides that way too
+    ("file", {}, True),
+    ("none", {"router@2": 10}, True),  # only the deployed router lacked one
+])
+def test_a_top_tier_candidate_evaluated_without_its_table_is_refused(rates_from, untabled, promoted):
+    report = make_report()
+    report = report.model_copy(update={"inputs": report.inputs.model_copy(
+        update={"decision": "top-tier", "rates_from": rates_from, "untabled": untabled})})
+    d = decide(report)
+    assert (d.decision == "promote") is promoted, d.reasons
+    if not promoted:
+        assert d.decided_by[0] == "decision_mismatch"
+        assert "router@3 was evaluated without a top-tier table" in d.reasons[0] and "--publisher-url" in d.reasons[0]
+
+
 def test_min_gain():
     assert decide(make_report(), min_gain=0.02).decision == "promote"
     d = decide(make_report(), min_gain=0.06)
