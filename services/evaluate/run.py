@@ -181,8 +181,9 @@ async def _ask_routers(opts: EvalOptions, names: list[str], traces: list[Trace])
     for name in names:
         await probe(opts.router_url, name, providers, first.query, mode=opts.router_mode)
     calls: dict[str, dict[str, RouterCall]] = {}
-    local = local_rates(opts.rates_file) if opts.rates_file is not None and opts.decision == "top-tier" else None
-    rates_from = opts.publisher_url if opts.decision == "top-tier" and local is None else None
+    source = rates_source(opts)
+    local = local_rates(opts.rates_file) if source == "file" and opts.rates_file is not None else None
+    rates_from = opts.publisher_url if source == "publisher" else None
     async with RouterClient(opts.router_url, timeout_s=opts.router_timeout_s, max_tokens=opts.router_max_tokens,
                             mode=opts.router_mode, rates_from=rates_from) as client:
         for name in names:
