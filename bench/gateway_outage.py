@@ -197,6 +197,7 @@ async def outage(kafka: KafkaSettings, pause: Callable[[], None], resume: Callab
         "spool_left": depth_left,
         "spool_late_acks": metric("fanroute_traces_spool_late_acks_total"),
         "spool_republished": metric("fanroute_traces_spool_republished_total"),
+        "spool_found_on_topic": metric("fanroute_traces_spool_found_on_topic_total"),
         "answered_ids": sorted(answered),
         "topic_ids": sorted(i for i in answered for _ in range(by_id[i])),  # one per record on the topic
     }

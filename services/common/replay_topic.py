@@ -4,7 +4,7 @@
 decoded into its model (:func:`read_topic_records` adds key, partition, offset and timestamp).
 :func:`read_messages` follows a topic from a point in time, for tools and tests that watch
 results arrive. :func:`read_to_end`/:func:`read_records_to_end` are the raw-bytes layer below,
-for a topic given by its wire name.
+for a topic given by its wire name. :class:`KeyWatch` says which keys a topic holds since a time.
 """
 
 from __future__ import annotations
@@ -55,6 +55,53 @@ async def read_records_to_end(settings: KafkaSettings, name: str) -> AsyncIterat
                     left.discard(tp)
     finally:
         await consumer.stop()
+
+
+class KeyWatch:
+    """The keys of topic ``name``'s records appended at or after ``since_ms``, read incrementally, no group.
+
+    Why: a send that failed on the client may still have been written by the broker (a lost answer, a
+    producer the broker stopped trusting mid-batch). Before sending such a record again, its producer asks
+    whether its key is already there. Each :meth:`refresh` reads on from where the last one stopped.
+    """
+
+    def __init__(self, settings: KafkaSettings, name: str, since_ms: int) -> None:
+        self.settings, self.name, self.since_ms = settings, name, since_ms
+        self.positions: dict[int, int] = {}  # partition -> next offset to read
+        self.keys: set[bytes] = set()
+
+    async def refresh(self) -> set[bytes]:
+        """Read every record appended since the last refresh (the first: since ``since_ms``) up to the
+        partitions' ends now; the keys seen so far. Progress is kept if it is cancelled half way."""
+        from aiokafka import AIOKafkaConsumer
+
+        consumer = AIOKafkaConsumer(self.name, bootstrap_servers=self.settings.bootstrap_servers, group_id=None,
+                                    enable_auto_commit=False, auto_offset_reset="earliest")
+        try:
+            await consumer.start()
+            tps = sorted(consumer.assignment())
+            if not tps:
+                return self.keys
+            ends = await consumer.end_offsets(tps)
+            new = [tp for tp in tps if tp.partition not in self.positions]
+            if new:
+                found = await consumer.offsets_for_times({tp: self.since_ms for tp in new})
+                for tp in new:
+                    self.positions[tp.partition] = ends[tp] if found.get(tp) is None else found[tp].offset
+            for tp in tps:
+                consumer.seek(tp, self.positions[tp.partition])
+            left = {tp for tp in tps if ends[tp] > self.positions[tp.partition]}
+            while left:
+                batch = await consumer.getmany(*left, timeout_ms=1000)
+                for tp, records in batch.items():
+                    self.keys.update(r.key for r in records if r.offset < ends[tp] and r.key is not None)
+                for tp in list(left):
+                    self.positions[tp.partition] = min(await consumer.position(tp), ends[tp])
+                    if self.positions[tp.partition] >= ends[tp]:
+                        left.discard(tp)
+        finally:
+            await consumer.stop()
+        return self.keys
 
 
 OnUnreadable = Callable[[Any, SchemaError], None]

@@ -90,7 +90,7 @@ class Gateway:
         spool_base = settings.spool_dir or default_spool_dir(settings.cache_dir)
         self.outbox = TraceOutbox(bus, self.metrics, spool_dir=worker_spool_dir(spool_base, settings),
                                   publish_wait_s=settings.publish_wait_s, max_bytes=settings.spool_max_bytes,
-                                  max_records=settings.spool_max_records)
+                                  max_records=settings.spool_max_records, check_topic=settings.spool_check_topic)
         self.outbox.adopt_from = orphan_spool_dirs(spool_base, settings)
         self._gauges: asyncio.Task[None] | None = None
         topics = (topic("traces"), topic("episodes")) + ((topic("adapters"),) if settings.routing.enabled else ())

@@ -51,6 +51,10 @@ class GatewayMetrics:
                                        "was acknowledged after all (no re-publish needed)", registry=r)
         self.spool_republished = Counter("fanroute_traces_spool_republished",
                                          "Spooled traces re-published from the spool and acknowledged", registry=r)
+        self.spool_found_on_topic = Counter("fanroute_traces_spool_found_on_topic",
+                                            "Spooled traces found already on the topic before a re-publish (a "
+                                            "failed send the broker had written): acked, not written twice",
+                                            registry=r)
         self.spool_damaged = Counter("fanroute_traces_spool_damaged_lines", "Spool lines skipped at start-up "
                                      "(a torn last line after a crash, or damage)", registry=r)
         self.spool_depth = Gauge("fanroute_traces_spool_depth", "Traces in the spool waiting for Kafka",

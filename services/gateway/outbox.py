@@ -7,8 +7,11 @@ goes out with ``spooled``. The first send is not cancelled: the idempotent produ
 and if it lands later the spooled copy is marked done without a second publish. A background task
 re-publishes, oldest first, whatever is still pending (the first send failed, or this is a restart that
 found records left in the spool), backing off while Kafka is away. A re-publish keeps the trace id as key,
-so a record that did land twice (a send that failed on the client after the broker wrote it) is one
-trace to every consumer, which all deduplicate by trace id.
+and before it sends a record that was handed to Kafka before (its send failed, or an earlier run spooled
+it) it reads the topic since that record's first send for its key (:class:`KeyWatch`): a send that failed
+on the client after the broker wrote it (a lost answer, a producer the broker stopped trusting mid-batch)
+is acked, not written twice. A record written after that read (a request the broker still held) can
+still land twice; consumers deduplicate by trace id, so it is one trace to each of them.
 
 A spool that is full or cannot be written is an error the caller sees (:class:`SpoolError`, answered
 503 by the app) and a metric counts; a trace is never dropped silently.
@@ -28,12 +31,16 @@ from schemas.topics import topic
 from schemas.trace import Trace
 from services.common import paths
 from services.common.bus import Bus, transient_delay
+from services.common.replay_topic import KeyWatch
 from services.common.spool import Spool, SpoolError, SpoolRecord, SpoolUnavailable
 from services.gateway.metrics import GatewayMetrics
 
 log = logging.getLogger(__name__)
 TraceStatus = Literal["published", "spooled"]
 DRAIN_BATCH = 64  # records re-published concurrently (sent in spool order)
+SEND_MARGIN_S = 60.0  # a record's first send began at most publish_wait_s (and this, for clocks) before its spooling
+WATCH_TIMEOUT_S = 30.0  # one read of the topic for keys already there (progress is kept past it)
+WATCH_MAX_KEYS = 500_000  # a watch that remembers more starts again from the spool's oldest record
 
 
 def default_spool_dir(cache_dir: Path | None) -> Path:
@@ -45,13 +52,19 @@ class TraceOutbox:
     """Publish with a bounded wait; spool, then drain, what was not acknowledged."""
 
     def __init__(self, bus: Bus, metrics: GatewayMetrics, *, spool_dir: Path, publish_wait_s: float,
-                 max_bytes: int, max_records: int) -> None:
+                 max_bytes: int, max_records: int, check_topic: bool = True) -> None:
         self.bus, self.metrics, self.publish_wait_s = bus, metrics, publish_wait_s
         self.spool = Spool(spool_dir, "traces", max_bytes=max_bytes, max_records=max_records)
         self._inflight: dict[int, asyncio.Future[None]] = {}  # spooled seq -> its first send, still going
         self._landed: set[int] = set()  # spooled seqs whose first send was acknowledged later
         self._loose: set[asyncio.Future[None]] = set()  # first sends of traces refused a spool slot
         self._spooling: set[bytes | None] = set()  # keys being appended: on disk, their first send not yet known
+        self._never_sent: set[int] = set()  # spooled with no link to Kafka: no send can have written them
+        self._watches: dict[str, KeyWatch] = {}  # wire topic -> what it holds since the oldest sent record
+        #: makes the watch of a topic since a time (ms); None: re-publish without looking (the in-memory bus)
+        self.watch_factory: Callable[[str, int], KeyWatch] | None = (
+            (lambda name, since_ms: KeyWatch(bus.settings, name, since_ms)) if check_topic and not bus.in_memory
+            else None)
         self._wake = asyncio.Event()
         self._drainer: asyncio.Task[None] | None = None
         self._stopping = False
@@ -115,7 +128,8 @@ class TraceOutbox:
         """``("published", None)``, or ``("spooled", why)``; raises :class:`SpoolError` when neither."""
         wire, value, key, headers = self.bus.record_of(topic("traces"), trace)
         self.metrics.trace_bytes.observe(len(value))
-        if not self.kafka_ready():  # no link yet (the gateway started in an outage): straight to the spool
+        sent = self.kafka_ready()
+        if not sent:  # no link yet (the gateway started in an outage): straight to the spool
             send: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             send.set_exception(ConnectionError("Kafka unreachable since the gateway started"))
         else:
@@ -128,12 +142,12 @@ class TraceOutbox:
                f"Kafka did not acknowledge within publish_wait_s={self.publish_wait_s:g}s")
         self._spooling.add(key)  # until its first send is registered the drainer must not take it
         try:
-            return await self._spool(send, wire, value, key, headers, trace.trace_id, why)
+            return await self._spool(send, wire, value, key, headers, trace.trace_id, why, sent=sent)
         finally:
             self._spooling.discard(key)
 
     async def _spool(self, send: asyncio.Future[None], wire: str, value: bytes, key: bytes | None,
-                     headers: dict[str, str], trace_id: str, why: str) -> tuple[TraceStatus, str]:
+                     headers: dict[str, str], trace_id: str, why: str, *, sent: bool) -> tuple[TraceStatus, str]:
         try:
             rec = await asyncio.to_thread(self.spool.append, wire, value, key=key, headers=headers)
         except SpoolError as exc:
@@ -147,6 +161,8 @@ class TraceOutbox:
                 send.exception()  # retrieved: no "never retrieved" warning
             raise
         self.metrics.traces_spooled.inc()
+        if not sent:
+            self._never_sent.add(rec.seq)
         log.warning("trace %s spooled (seq %d): %s", trace_id, rec.seq, why)
         if send.done():  # resolved while the record was written: account for it now, not on a later callback
             self._first_send_done(rec.seq, send)
@@ -177,6 +193,8 @@ class TraceOutbox:
             batch = self.drainable()[:DRAIN_BATCH]
             if not batch or not self.kafka_ready():  # nothing, only first sends still going (they wake us
                 # when they resolve), or no link to Kafka yet (it wakes us when it has one)
+                if not self.spool.depth:
+                    self._watches.clear()
                 await self._woken(None)
                 continue
             ok = await self._republish(batch)
@@ -206,12 +224,23 @@ class TraceOutbox:
 
     async def _republish(self, batch: list[SpoolRecord]) -> bool:
         """Send ``batch`` in spool order and wait for the outcomes; ack what landed. All landed?"""
+        try:
+            batch = await self._not_on_topic(batch)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("could not read %s for traces already written (%s: %s); retrying before re-publishing",
+                        batch[0].topic, type(exc).__name__, exc)
+            return False
+        if not batch:
+            return True
         t0 = time.monotonic()
         sends = [asyncio.ensure_future(self.bus.publish_raw(r.topic, r.value, key=r.key, headers=r.headers,
                                                             timeout_s=None)) for r in batch]
         results = await asyncio.gather(*sends, return_exceptions=True)
         landed = [r.seq for r, res in zip(batch, results, strict=True) if res is None]
         failed = [res for res in results if res is not None]
+        self._never_sent.difference_update(r.seq for r in batch)  # each was handed to Kafka now
         if landed:
             # counted before the ack lowers the spool's depth, so a reader that sees the depth fall sees the count
             self.metrics.spool_republished.inc(len(landed))
@@ -228,6 +257,28 @@ class TraceOutbox:
                 self.on_stuck_producer(f"{type(exc.__cause__ or exc).__name__}: {exc}")
             return False
         return True
+
+    async def _not_on_topic(self, batch: list[SpoolRecord]) -> list[SpoolRecord]:
+        """``batch`` less the records a send already wrote (acked here, counted), found by their keys."""
+        sent = [r for r in batch if r.seq not in self._never_sent]
+        if not sent or self.watch_factory is None:
+            return batch
+        name = sent[0].topic  # the outbox spools one topic's records
+        since_ms = int((min(r.ts for r in sent) - self.publish_wait_s - SEND_MARGIN_S) * 1000)
+        watch = self._watches.get(name)
+        if watch is None or watch.since_ms > since_ms or len(watch.keys) > WATCH_MAX_KEYS:
+            watch = self._watches[name] = self.watch_factory(name, since_ms)
+        keys = await asyncio.wait_for(watch.refresh(), timeout=WATCH_TIMEOUT_S)
+        there = [r.seq for r in sent if r.key in keys]
+        if not there:
+            return batch
+        self.metrics.spool_found_on_topic.inc(len(there))
+        await asyncio.to_thread(self.spool.ack, there)
+        self._never_sent.difference_update(there)
+        log.info("%d spooled traces were already on %s (a failed send the broker had written): not re-published",
+                 len(there), name)
+        done = set(there)
+        return [r for r in batch if r.seq not in done]
 
     def wake(self) -> None:
         """Kafka is (back) there: drain now rather than at the end of the back-off."""

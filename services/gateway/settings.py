@@ -137,6 +137,11 @@ class GatewaySettings(ServiceSettings):
     spool_max_bytes: int = Field(default=256 << 20, ge=4096, le=1 << 40,
                                  description="Most bytes of spooled traces; past it a trace Kafka does not "
                                              "acknowledge is answered 503 spool_full")
+    spool_check_topic: bool = Field(
+        default=True, description="Before re-publishing a spooled trace that was handed to Kafka before, read the "
+                                  "traces topic since its first send for its id (needs read access to the topic); "
+                                  "false: a send that failed after the broker wrote it is written twice (consumers "
+                                  "deduplicate by trace id)")
     spool_max_records: int = Field(default=100_000, ge=1, le=100_000_000,
                                    description="Most spooled traces; past it the answer is 503 spool_full")
     routing: RoutingSettings = Field(default_factory=RoutingSettings,
