@@ -250,7 +250,8 @@ async def test_retry_after_beyond_the_budget_fails_at_once(fake: FakeApis) -> No
 
     assert isinstance(error, ProviderRateLimited) and error.status == 429
     assert "Rate limit exceeded" in error.message
-    assert time.perf_counter() - t0 < 1.0 and len(fake.received) == 1
+    assert len(fake.received) == 1
+    assert time.perf_counter() - t0 < 2.0  # not a speed figure: it gave up before its 2 s budget, not at its end
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -266,11 +267,10 @@ async def test_500_is_retried_then_an_http_error(fake: FakeApis, name: str) -> N
 
 async def test_backoff_stops_before_the_budget_with_the_real_error(fake: FakeApis) -> None:
     api = APIS["tavily"]
-    t0 = time.perf_counter()
     error = await fails(api, fake, *[api.error(503, "overloaded")] * 6, timeout_s=0.35, max_retries=5)
 
-    assert type(error) is ProviderHTTPError and error.status == 503  # the real error, not a timeout
-    assert time.perf_counter() - t0 < 0.45  # the 0.35 s budget plus client start/close
+    # the real error, not a timeout: the back-off stopped inside the budget, before its sixth attempt
+    assert type(error) is ProviderHTTPError and error.status == 503
     assert 2 <= len(fake.received) < 6
 
 
@@ -302,11 +302,9 @@ async def test_wrong_shape_json_is_a_bad_response(fake: FakeApis, name: str) -> 
 @pytest.mark.parametrize("name", ALL)
 async def test_slow_answer_is_a_timeout(fake: FakeApis, name: str) -> None:
     api = APIS[name]
-    t0 = time.perf_counter()
     error = await fails(api, fake, Reply(200, api.ok(), delay_s=0.6), timeout_s=0.3)
 
-    assert isinstance(error, ProviderTimeout)
-    assert time.perf_counter() - t0 < 0.55
+    assert isinstance(error, ProviderTimeout)  # had it waited for the 0.6 s answer, it would have succeeded
 
 
 async def test_connect_error_is_retried_then_a_provider_error(fake: FakeApis) -> None:
