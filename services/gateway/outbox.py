@@ -268,7 +268,8 @@ class TraceOutbox:
         watch = self._watches.get(name)
         if watch is None or watch.since_ms > since_ms or len(watch.keys) > WATCH_MAX_KEYS:
             watch = self._watches[name] = self.watch_factory(name, since_ms)
-        keys = await asyncio.wait_for(watch.refresh(), timeout=WATCH_TIMEOUT_S)
+        async with asyncio.timeout(WATCH_TIMEOUT_S):  # not wait_for: see _woken
+            keys = await watch.refresh()
         there = [r.seq for r in sent if r.key in keys]
         if not there:
             return batch
