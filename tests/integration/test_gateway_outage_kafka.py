@@ -26,7 +26,8 @@ async def test_a_broker_outage_loses_no_trace_and_holds_no_request(kafka_bootstr
         "Kafka paused 15 s (SIGSTOP) under 6 req/s", "gateway (trace outbox)", "test_gateway_outage_kafka",
         records_in=res["requests"], expected=res["answered_ids"],
         results=res["topic_ids"], spooled=res["trace_status"].get("spooled", 0),
-        outage_p99_ms=res["latency_ms"]["outage"]["p99"], topic_records=res["on_topic_records"], broker=how))
+        outage_p99_ms=res["latency_ms"]["outage"]["p99"], topic_records=res["on_topic_records"], broker=how,
+        republished=res["spool_republished"], found_on_topic=res["spool_found_on_topic"]))
     summary = {k: v for k, v in res.items() if k not in ("answered_ids", "topic_ids")}
     assert res["answered_200"] == res["requests"], summary  # every request answered
     assert res["trace_status_by_phase"]["outage"].get("spooled", 0) > 0, summary  # and told the truth
