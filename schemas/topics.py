@@ -96,8 +96,7 @@ TOPICS: dict[str, TopicSpec] = {
                               "finished, skipped, failed): dataset as-of, episodes, adapter in and out, eval "
                               "figures, the decision, the drift on the fan-out slice, timings.",
                   producers=("loop",),
-                  consumers=("loop",),
-                  planned_consumers=("console cycles page (not yet built)",)),
+                  consumers=("loop", "console")),
     )
 }
 

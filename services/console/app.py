@@ -285,6 +285,13 @@ def create_app(settings: ConsoleSettings, console: Console | None = None) -> Fas
                 return page(request, "eval.html", eval_id=eval_id, planes=planes, **ctx)
         raise HTTPException(404, f"no evaluation {eval_id!r} under {settings.runs_dir}")
 
+    @app.get("/cycles", response_class=Page, operation_id="list_cycles",
+             summary="The continual loop's cycles, newest slot first: each phase, the decision, the drift")
+    async def cycles(request: Request,
+                     limit: Annotated[int, Query(ge=1, le=500, description="How many cycles to show")] = 50) -> Response:
+        rows = views.cycles_page(await asyncio.to_thread(console.store.cycles, limit=limit))
+        return page(request, "cycles.html", rows=rows, limit=limit, following=console.follower.state.get("cycles"))
+
     @app.get("/adapters", response_class=Page, operation_id="list_adapters", summary="Adapter versions")
     async def adapters(request: Request) -> Response:
         events = console.store.adapters()

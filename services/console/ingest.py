@@ -19,7 +19,7 @@ from services.console.store import ConsoleStore
 
 log = logging.getLogger(__name__)
 #: The topics the console shows.
-FOLLOWED = ("traces", "verdicts", "reviews", "adapters")
+FOLLOWED = ("traces", "verdicts", "reviews", "adapters", "cycles")
 
 
 @dataclass
@@ -43,10 +43,12 @@ class Follower:
     _tasks: list[asyncio.Task] = field(default_factory=list)
 
     async def start(self) -> None:
+        # one literal per topic: the registry's test reads which topics each service consumes from these
         self._spawn(topic_name="traces")
         self._spawn(topic_name="verdicts")
         self._spawn(topic_name="reviews")
         self._spawn(topic_name="adapters")
+        self._spawn(topic_name="cycles")
 
     def _spawn(self, *, topic_name: str) -> None:
         self.state[topic_name] = FollowState()

@@ -1,5 +1,5 @@
-"""What the console read from the topics, in one SQLite file: traces, verdicts, reviews, adapter events and,
-per topic partition, the next offset to read.
+"""What the console read from the topics, in one SQLite file: traces, verdicts, reviews, adapter events, the
+loop's cycle records and, per topic partition, the next offset to read.
 
 Why SQLite: the topics grow without bound and a page must answer in milliseconds, so the console keeps rows
 on disk with the indexes its filters use, not a list in memory; a restart resumes from the stored offsets.
@@ -18,6 +18,7 @@ from typing import Any
 
 from schemas.adapter import AdapterPublished
 from schemas.base import decode
+from schemas.cycle import CycleRecord
 from schemas.calibration import Review, gate_key
 from schemas.trace import Trace
 from schemas.verdict import Verdict
@@ -40,6 +41,10 @@ CREATE INDEX IF NOT EXISTS reviews_verdict ON reviews (verdict_id);
 CREATE TABLE IF NOT EXISTS adapters (
     event_id TEXT PRIMARY KEY, model_id TEXT NOT NULL, version INTEGER NOT NULL, promoted INTEGER NOT NULL,
     published_ms INTEGER NOT NULL, body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS cycles (
+    record_id TEXT PRIMARY KEY, cycle_id TEXT NOT NULL, phase TEXT NOT NULL, at_ms INTEGER NOT NULL,
+    slot_ms INTEGER NOT NULL, body BLOB NOT NULL);
+CREATE INDEX IF NOT EXISTS cycles_slot ON cycles (slot_ms DESC, cycle_id);
 CREATE TABLE IF NOT EXISTS offsets (topic TEXT NOT NULL, partition INTEGER NOT NULL, next INTEGER NOT NULL,
     PRIMARY KEY (topic, partition));
 """
@@ -175,6 +180,9 @@ class ConsoleStore:
             self._db.execute("INSERT OR REPLACE INTO adapters VALUES (?,?,?,?,?,?)", (
                 f"{m.model_id}@{m.version}:{'promoted' if m.promoted else 'published'}:{_ms(m.published_at)}",
                 m.model_id, m.version, int(m.promoted), _ms(m.published_at), m.to_bytes()))
+        elif isinstance(m, CycleRecord):  # a phase written again after a restart is the same record
+            self._db.execute("INSERT OR REPLACE INTO cycles VALUES (?,?,?,?,?,?)", (
+                m.record_id, m.cycle_id, m.phase, _ms(m.at), _ms(m.slot), m.to_bytes()))
 
     # ------------------------------------------------------------------ reads (the pages)
     def _all(self, sql: str, args: Iterable[Any] = ()) -> list[tuple[Any, ...]]:
@@ -223,6 +231,19 @@ class ConsoleStore:
         return [decode(AdapterPublished, b) for (b,) in self._all(
             "SELECT body FROM adapters ORDER BY published_ms DESC, version DESC")]
 
+    def cycles(self, *, limit: int) -> list[list[CycleRecord]]:
+        """The ``limit`` newest cycles by slot, each its phase records in the order they were written."""
+        ids = [c for (c,) in self._all("SELECT cycle_id FROM cycles GROUP BY cycle_id "
+                                       "ORDER BY max(slot_ms) DESC, max(at_ms) DESC LIMIT ?", (limit,))]
+        if not ids:
+            return []
+        marks = ",".join("?" * len(ids))
+        by_id: dict[str, list[CycleRecord]] = {c: [] for c in ids}
+        for (b,) in self._all(f"SELECT body FROM cycles WHERE cycle_id IN ({marks}) ORDER BY at_ms, rowid", ids):
+            rec = decode(CycleRecord, b)
+            by_id[rec.cycle_id].append(rec)
+        return [by_id[c] for c in ids]
+
     def facets(self) -> dict[str, list[str]]:
         """The values the filters offer: collections and providers seen."""
         cols = [c for (c,) in self._all("SELECT DISTINCT collection FROM traces WHERE collection IS NOT NULL "
@@ -233,5 +254,5 @@ class ConsoleStore:
         return {"collections": cols, "providers": sorted(provs)}
 
     def counts(self) -> dict[str, int]:
-        names = ("traces", "verdicts", "reviews", "adapters")
+        names = ("traces", "verdicts", "reviews", "adapters", "cycles")
         return {n: self._all(f"SELECT count(*) FROM {n}")[0][0] for n in names}

@@ -1,6 +1,7 @@
 """The console in a real browser over the real broker: filter the trace list to contested, open a trace,
 sign in, disagree with the judge and give an ordering; the ``reviews`` record lands on the topic and
-``fanroute calibrate report --source reviews`` counts it; a run page draws its charts.
+``fanroute calibrate report --source reviews`` counts it; a run page draws its charts; the loop's cycles
+read from the ``cycles`` topic are listed.
 
 Screenshots go to ``$FANROUTE_SCREENSHOTS`` (the README's come from ``FANROUTE_SCREENSHOTS=docs/img``),
 else to the test's temporary directory.
@@ -26,7 +27,7 @@ from services.common.settings import KafkaSettings, RedisSettings
 from services.console.app import create_app
 from services.console.settings import ConsoleSettings
 from services.judge.settings import JudgeSettings, build_backend
-from tests.support.console import chromium, console_records, write_run
+from tests.support.console import chromium, console_records, cycle_records, write_run
 from tests.support.contract import ThreadServer
 from tests.support.poll import eventually_sync
 from tests.support.topics import topic_records
@@ -36,14 +37,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "console-test-token"
 
 
-async def _publish(kafka: KafkaSettings, traces, verdicts) -> None:
+async def _publish(kafka: KafkaSettings, traces, verdicts, cycles) -> None:
     bus = Bus(kafka, client_id="console-test")
-    await bus.start((topic("traces"), topic("verdicts")))
+    await bus.start((topic("traces"), topic("verdicts"), topic("cycles")))
     try:
         for t in traces:
             await bus.publish(topic("traces"), t)
         for v in verdicts:
             await bus.publish(topic("verdicts"), v)
+        for c in cycles:
+            await bus.publish(topic("cycles"), c)
     finally:
         await bus.stop()
 
@@ -63,7 +66,8 @@ def test_a_reviewer_disagrees_in_the_browser_and_the_gate_counts_it(kafka_bootst
     kafka = KafkaSettings(bootstrap_servers=kafka_bootstrap, topic_namespace=f"console{uuid.uuid4().hex[:8]}.")
     backend = build_backend(JudgeSettings().judge)
     traces, verdicts = console_records(backend.identity.kind, backend.identity.model, backend.rubric)
-    asyncio.run(_publish(kafka, traces, verdicts))
+    cycles = cycle_records()
+    asyncio.run(_publish(kafka, traces, verdicts, cycles))
     write_run(tmp_path / "runs", finished=True)
     settings = ConsoleSettings(kafka=kafka, redis=RedisSettings(url=redis_url), console_token=TOKEN,
                                console_reviewer="alice", store_path=tmp_path / "console.sqlite3",
@@ -73,7 +77,9 @@ def test_a_reviewer_disagrees_in_the_browser_and_the_gate_counts_it(kafka_bootst
         with ThreadServer(create_app(settings), "console") as server:
             def read_all() -> dict | None:
                 health = _health(server.url)
-                done = (health["stored"]["traces"], health["stored"]["verdicts"]) == (len(traces), len(verdicts))
+                stored = health["stored"]
+                done = (stored["traces"], stored["verdicts"], stored["cycles"]) == (len(traces), len(verdicts),
+                                                                                  len(cycles))
                 return health if done else None
 
             try:
@@ -120,6 +126,13 @@ def test_a_reviewer_disagrees_in_the_browser_and_the_gate_counts_it(kafka_bootst
             loss = driver.find_elements(By.CSS_SELECTOR, "g#series-loss path")
             assert loss and len(loss[0].get_attribute("d").split("L")) >= 12  # one vertex per logged step
             driver.save_screenshot(str(shots / "console-run.png"))
+
+            driver.find_element(By.LINK_TEXT, "Cycles").click()
+            WebDriverWait(driver, 30).until(ec.url_contains("/cycles"))
+            states = [r.get_attribute("class") for r in driver.find_elements(By.CSS_SELECTOR, "#cycles tr[class^='cycle-']")]
+            assert states == ["cycle-running", "cycle-skipped", "cycle-finished"], states
+            assert "router@1 → router@2" in driver.find_element(By.ID, "cycles").text
+            driver.save_screenshot(str(shots / "console-cycles.png"))
     finally:
         driver.quit()
 

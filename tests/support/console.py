@@ -72,3 +72,33 @@ def chromium() -> Any:
                               options=options)
     driver.set_page_load_timeout(60)
     return driver
+
+
+def cycle_records(t0: datetime | None = None) -> list[Any]:
+    """Three loop cycles an hour apart: one promoted and finished, one skipped, one still training."""
+    from schemas.cycle import CycleRecord, Drift, cycle_id, record_id
+
+    t0 = t0 or datetime(2026, 12, 1, 2, 0, tzinfo=UTC)
+    out: list[CycleRecord] = []
+
+    def add(slot: datetime, phase: str, minute: int, **kw: Any) -> None:
+        cid = cycle_id("router", "linear", slot)
+        out.append(CycleRecord(record_id=record_id(cid, phase), cycle_id=cid, phase=phase, model_id="router",
+                               kind="linear", slot=slot, at=slot + timedelta(minutes=minute), trigger="schedule",
+                               code_version="v-test", **kw))
+
+    drift = Drift(score=0.586, threshold=0.15, triggered=True, worst="web-lexical")
+    s1, s2, s3 = (t0 + timedelta(hours=h) for h in range(3))
+    base = {"episodes": 238, "new_episodes": 238, "adapter_in": "router@1", "drift": drift}
+    add(s1, "started", 0, **base)
+    add(s1, "trained", 1, **base, adapter_out="router@2")
+    done = {**base, "adapter_out": "router@2", "figures": {"candidate_human": 0.445, "deployed_human": 0.109},
+            "decision": "promote", "reasons": ("beats the deployed router on the held-out window",)}
+    add(s1, "evaluated", 2, **done)
+    add(s1, "promoted", 3, **done)
+    add(s1, "finished", 3, **done, timings_s={"train": 17.5, "eval": 4.0})
+    add(s2, "started", 0, episodes=238, new_episodes=0, adapter_in="router@2")
+    add(s2, "skipped", 0, episodes=238, new_episodes=0, adapter_in="router@2", reason="0 new episodes (< 20)")
+    add(s3, "started", 0, episodes=260, new_episodes=22, adapter_in="router@2")
+    add(s3, "trained", 1, episodes=260, new_episodes=22, adapter_in="router@2", adapter_out="router@3")
+    return out

@@ -15,7 +15,7 @@ from schemas.calibration import Review
 from services.common.settings import KafkaSettings, RedisSettings
 from services.console.app import COOKIE, Console, create_app
 from services.console.settings import ConsoleSettings
-from tests.support.console import write_run
+from tests.support.console import cycle_records, write_run
 from tests.support.records import trace, verdict_for
 
 TOKEN = "unit-console-token"
@@ -197,3 +197,33 @@ def _agree(client: TestClient, console: Console, published: list[Review]) -> Non
     assert review.trace_id == "t-1" and review.judge_key and review.ordering == ()
     assert published == [review]  # on the bus before the redirect (the in-memory broker delivers in the call)
     assert "alice" in client.get("/traces/t-1").text
+
+
+def test_the_cycles_page_shows_each_cycle_newest_first_with_its_state_and_decision(app):
+    client, console = app
+    records = cycle_records()
+    for r in records + records[:3]:  # a phase written again after a restart is the same record
+        console.store.put(r)
+    assert console.store.counts()["cycles"] == len(records)
+    page = client.get("/cycles", headers=HTML)
+    assert page.status_code == 200, page.text
+    text = page.text
+    assert text.index("router@3") < text.index("0 new episodes (&lt; 20)") < text.index("beats the deployed router")
+    assert [s for s in ("running", "skipped", "finished") if f'cycle-{s}' in text] == ["running", "skipped", "finished"]
+    assert "router@1 → router@2" in text and "promote" in text and "triggered" in text and "0.586" in text
+    assert "candidate_human 0.445" in text and "238 (238)" in text
+    only = client.get("/cycles?limit=1", headers=HTML).text
+    assert "router@3" in only and "0 new episodes" not in only
+
+
+@pytest.mark.parametrize("query", ["limit=0", "limit=501", "limit=many"])
+def test_a_malformed_cycles_limit_is_a_422_naming_it(app, query):
+    client, console = app
+    r = client.get(f"/cycles?{query}")
+    assert r.status_code == 422 and "limit" in r.json()["reason"], r.text
+
+
+def test_the_cycles_page_says_how_to_run_one_when_there_is_none(app):
+    client, _ = app
+    page = client.get("/cycles", headers=HTML)
+    assert page.status_code == 200 and "fanroute loop --once" in page.text
