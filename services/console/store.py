@@ -18,8 +18,8 @@ from typing import Any
 
 from schemas.adapter import AdapterPublished
 from schemas.base import decode
-from schemas.cycle import CycleRecord
 from schemas.calibration import Review, gate_key
+from schemas.cycle import CycleRecord
 from schemas.trace import Trace
 from schemas.verdict import Verdict
 

@@ -98,27 +98,27 @@ def adapters_page(events: list[Any], promoted: dict[str, tuple[int, str | None] 
     return out
 
 
+CARRIED = ("episodes", "new_episodes", "adapter_in", "adapter_out", "decision", "drift")
+
+
 def cycles_page(cycles: list[list[CycleRecord]]) -> list[dict[str, Any]]:
     """One row per cycle: where it stands (its last phase, or running), what went in and came out, the
     decision and its reasons, the drift that may have called it, each phase's time."""
     rows = []
     for records in cycles:
         first, last = records[0], records[-1]
-        merged: dict[str, Any] = {}
+        carried: dict[str, Any] = {}
         for r in records:  # later phases carry what earlier ones knew; a field set once stays set
-            for key in ("episodes", "new_episodes", "adapter_in", "adapter_out", "decision", "drift"):
-                value = getattr(r, key)
-                if value is not None:
-                    merged[key] = value
-        figures = {k: v for r in records for k, v in r.figures.items()}
+            carried.update({k: getattr(r, k) for k in CARRIED if getattr(r, k) is not None})
+        latest = list(reversed(records))
         rows.append({
             "cycle_id": first.cycle_id, "model_id": first.model_id, "kind": first.kind, "slot": first.slot,
             "trigger": first.trigger, "code_version": first.code_version,
             "state": last.phase if last.phase in ENDS else "running",
-            "phases": [(r.phase, r.at) for r in records], "reasons": next((r.reasons for r in reversed(records)
-                                                                           if r.reasons), ()),
-            "reason": next((r.reason for r in reversed(records) if r.reason), ""),
-            "figures": dict(sorted(figures.items())), "timings": last.timings_s,
-            "total_s": (last.at - first.at).total_seconds(), **{k: merged.get(k) for k in (
-                "episodes", "new_episodes", "adapter_in", "adapter_out", "decision", "drift")}})
+            "phases": [(r.phase, r.at) for r in records],
+            "reasons": next((r.reasons for r in latest if r.reasons), ()),
+            "reason": next((r.reason for r in latest if r.reason), ""),
+            "figures": dict(sorted({k: v for r in records for k, v in r.figures.items()}.items())),
+            "timings": last.timings_s, "total_s": (last.at - first.at).total_seconds(),
+            **{k: carried.get(k) for k in CARRIED}})
     return rows
