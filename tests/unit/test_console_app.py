@@ -227,3 +227,15 @@ def test_the_cycles_page_says_how_to_run_one_when_there_is_none(app):
     client, _ = app
     page = client.get("/cycles", headers=HTML)
     assert page.status_code == 200 and "fanroute loop --once" in page.text
+
+
+def test_an_unreadable_cycles_record_is_counted_past_and_loses_nothing_stored(app):
+    """What the follower hands the store for a record that does not decode: no row, its offset passed."""
+    from services.common.replay_topic import TopicRecord
+
+    _, console = app
+    first, second = cycle_records()[:2]
+    console.store.ingest("cycles", [TopicRecord(first, b"k", 0, 0, 0)])
+    stored = console.store.ingest("cycles", [TopicRecord(None, b"k", 0, 1, 0), TopicRecord(second, b"k", 0, 2, 0)])
+    assert stored == 1 and console.store.offsets("cycles") == {0: 3}
+    assert [r.phase for r in console.store.cycles(limit=5)[0]] == ["started", "trained"]
