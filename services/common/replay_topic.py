@@ -43,18 +43,26 @@ async def read_records_to_end(settings: KafkaSettings, name: str) -> AsyncIterat
         if not tps:
             return
         ends = await consumer.end_offsets(tps)
-        await consumer.seek_to_beginning(*tps)
-        left = {tp for tp in tps if ends[tp] > await consumer.position(tp)}
-        while left:
-            batch = await consumer.getmany(*left, timeout_ms=1000)
-            for tp, records in batch.items():
-                for rec in records:
-                    if rec.offset < ends[tp]:
-                        yield rec
-                if await consumer.position(tp) >= ends[tp]:
-                    left.discard(tp)
+        async for rec in _until_ends(consumer, await consumer.beginning_offsets(tps), ends):
+            yield rec
     finally:
         await consumer.stop()
+
+
+async def _until_ends(consumer: Any, starts: dict[Any, int], ends: dict[Any, int]) -> AsyncIterator[Any]:
+    """Each partition's records from ``starts[tp]`` up to, not including, ``ends[tp]``, in offset order."""
+    for tp, start in starts.items():
+        consumer.seek(tp, start)
+    left = {tp for tp in starts if ends[tp] > starts[tp]}
+    while left:
+        batch = await consumer.getmany(*left, timeout_ms=1000)
+        for tp, records in batch.items():
+            for rec in records:
+                if rec.offset < ends[tp]:
+                    yield rec
+        for tp in list(left):
+            if await consumer.position(tp) >= ends[tp]:
+                left.discard(tp)
 
 
 class KeyWatch:
@@ -88,17 +96,11 @@ class KeyWatch:
                 found = await consumer.offsets_for_times({tp: self.since_ms for tp in new})
                 for tp in new:
                     self.positions[tp.partition] = ends[tp] if found.get(tp) is None else found[tp].offset
-            for tp in tps:
-                consumer.seek(tp, self.positions[tp.partition])
-            left = {tp for tp in tps if ends[tp] > self.positions[tp.partition]}
-            while left:
-                batch = await consumer.getmany(*left, timeout_ms=1000)
-                for tp, records in batch.items():
-                    self.keys.update(r.key for r in records if r.offset < ends[tp] and r.key is not None)
-                for tp in list(left):
-                    self.positions[tp.partition] = min(await consumer.position(tp), ends[tp])
-                    if self.positions[tp.partition] >= ends[tp]:
-                        left.discard(tp)
+            async for rec in _until_ends(consumer, {tp: self.positions[tp.partition] for tp in tps}, ends):
+                if rec.key is not None:
+                    self.keys.add(rec.key)
+                self.positions[rec.partition] = rec.offset + 1
+            self.positions.update({tp.partition: ends[tp] for tp in tps})
         finally:
             await consumer.stop()
         return self.keys

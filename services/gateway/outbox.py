@@ -60,7 +60,7 @@ class TraceOutbox:
         self._loose: set[asyncio.Future[None]] = set()  # first sends of traces refused a spool slot
         self._spooling: set[bytes | None] = set()  # keys being appended: on disk, their first send not yet known
         self._never_sent: set[int] = set()  # spooled with no link to Kafka: no send can have written them
-        self._watches: dict[str, KeyWatch] = {}  # wire topic -> what it holds since the oldest sent record
+        self._watch: KeyWatch | None = None  # what the topic holds since the oldest sent record, for one drain
         #: makes the watch of a topic since a time (ms); None: re-publish without looking (the in-memory bus)
         self.watch_factory: Callable[[str, int], KeyWatch] | None = (
             (lambda name, since_ms: KeyWatch(bus.settings, name, since_ms)) if check_topic and not bus.in_memory
@@ -194,7 +194,7 @@ class TraceOutbox:
             if not batch or not self.kafka_ready():  # nothing, only first sends still going (they wake us
                 # when they resolve), or no link to Kafka yet (it wakes us when it has one)
                 if not self.spool.depth:
-                    self._watches.clear()
+                    self._watch = None
                 await self._woken(None)
                 continue
             ok = await self._republish(batch)
@@ -265,9 +265,9 @@ class TraceOutbox:
             return batch
         name = sent[0].topic  # the outbox spools one topic's records
         since_ms = int((min(r.ts for r in sent) - self.publish_wait_s - SEND_MARGIN_S) * 1000)
-        watch = self._watches.get(name)
-        if watch is None or watch.since_ms > since_ms or len(watch.keys) > WATCH_MAX_KEYS:
-            watch = self._watches[name] = self.watch_factory(name, since_ms)
+        watch = self._watch
+        if watch is None or watch.name != name or watch.since_ms > since_ms or len(watch.keys) > WATCH_MAX_KEYS:
+            watch = self._watch = self.watch_factory(name, since_ms)
         async with asyncio.timeout(WATCH_TIMEOUT_S):  # not wait_for: see _woken
             keys = await watch.refresh()
         there = [r.seq for r in sent if r.key in keys]

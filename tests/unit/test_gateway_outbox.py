@@ -183,7 +183,8 @@ async def test_an_unwritable_spool_still_publishes_and_refuses_only_what_it_cann
 
 
 @pytest.mark.parametrize("field, value", [("publish_wait_s", 0), ("publish_wait_s", 31),
-                                          ("spool_max_records", 0), ("spool_max_bytes", 10)])
+                                          ("spool_max_records", 0), ("spool_max_bytes", 10),
+                                          ("spool_check_topic", "sometimes")])
 def test_outbox_settings_are_bounded(tmp_path, field, value):
     with pytest.raises(ValueError, match=field):
         _settings(tmp_path, **{field: value})
@@ -260,8 +261,8 @@ class AmbiguousBus(GatedBus):
 class WrittenKeys:
     """Stands in for :class:`KeyWatch` on the in-memory bus: the keys the bus has written."""
 
-    def __init__(self, bus: GatedBus, since_ms: int, broken: list[bool]) -> None:
-        self.bus, self.since_ms, self.broken, self.keys = bus, since_ms, broken, set()
+    def __init__(self, bus: GatedBus, name: str, since_ms: int, broken: list[bool]) -> None:
+        self.bus, self.name, self.since_ms, self.broken, self.keys = bus, name, since_ms, broken, set()
         self.refreshes = 0
 
     async def refresh(self) -> set[bytes]:
@@ -276,7 +277,7 @@ def _watch_written(gw, broken: list[bool] | None = None) -> list[WrittenKeys]:
     made: list[WrittenKeys] = []
 
     def factory(name: str, since_ms: int) -> WrittenKeys:
-        made.append(WrittenKeys(gw.bus, since_ms, broken or [False]))
+        made.append(WrittenKeys(gw.bus, name, since_ms, broken or [False]))
         return made[-1]
 
     gw.outbox.watch_factory = factory
