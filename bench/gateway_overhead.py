@@ -274,7 +274,9 @@ async def bench(args: argparse.Namespace) -> dict:
     return {"kafka": args.broker, "requests": args.requests, "concurrency": args.concurrency,
             "snippet_chars": args.snippet_chars, "routed_fanout_fraction": args.fanout_fraction if args.routed else None,
             "provider_latencies_ms": args.latencies, "results": results, "cpus": os.cpu_count(),
-            "event_loop": os.environ.get("FANROUTE_EVENT_LOOP", "asyncio"), "commit": commit()}
+            "event_loop": os.environ.get("FANROUTE_EVENT_LOOP", "asyncio"),
+            "gc": {k.removeprefix("FANROUTE_GC__").lower(): v for k, v in os.environ.items()
+                   if k.startswith("FANROUTE_GC__")} or "service defaults", "commit": commit()}
 
 
 def commit() -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import importlib
 import json
 import sys
@@ -73,8 +74,13 @@ def service_main(name: str, load: Callable[[], S], run: Callable[[S], Awaitable[
         print(json.dumps(settings.model_dump(mode="json"), indent=2, sort_keys=True))  # type: ignore[attr-defined]
         return 0
     setup_logging(settings.log_level)  # type: ignore[attr-defined]
-    with asyncio.Runner(loop_factory=loop_factory(getattr(settings, "event_loop", "asyncio"))) as runner:
-        runner.run(run(settings))
+    before = gc.get_threshold()
+    tune_gc(getattr(settings, "gc", None))
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(getattr(settings, "event_loop", "asyncio"))) as runner:
+            runner.run(run(settings))
+    finally:
+        gc.set_threshold(*before)  # a caller in the same process (a test, a composing command) gets its own back
     return 0
 
 
@@ -94,10 +100,27 @@ def loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
+def tune_gc(gc_settings: Any) -> None:
+    """Set the collector's thresholds from ``FANROUTE_GC__*`` (nothing for settings without them)."""
+    if gc_settings is not None:
+        gc.set_threshold(gc_settings.young, gc_settings.middle, gc_settings.old)
+
+
+def freeze_setup(gc_settings: Any) -> None:
+    """Collect once, then move every object that exists now out of the collector's reach.
+
+    Called once the app is built: what a service sets up lives as long as it does, and a full
+    collection would otherwise walk it every time."""
+    if gc_settings is not None and gc_settings.freeze:
+        gc.collect()
+        gc.freeze()
+
+
 async def serve_app(app: Any, settings: Any, sock: Any = None) -> None:
     """Serve a FastAPI app on ``settings.host:port`` (or on the bound ``sock``) until interrupted."""
     import uvicorn
 
+    freeze_setup(getattr(settings, "gc", None))
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level.lower(), access_log=False, lifespan="on")
     await uvicorn.Server(config).serve(sockets=[sock] if sock is not None else None)

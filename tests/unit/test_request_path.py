@@ -66,6 +66,57 @@ def test_an_unknown_event_loop_is_refused_naming_the_setting(monkeypatch, capsys
     assert "event_loop" in capsys.readouterr().err
 
 
+def test_a_service_runs_with_the_collector_thresholds_it_is_configured_for(monkeypatch) -> None:
+    import gc
+
+    from services.common.entry import service_main
+    from services.common.settings import ServiceSettings
+
+    before = gc.get_threshold()
+    seen: list[tuple[int, ...]] = []
+
+    async def run(settings: ServiceSettings) -> None:
+        seen.append(gc.get_threshold())
+
+    assert service_main("probe", ServiceSettings, run, argv=[]) == 0
+    monkeypatch.setenv("FANROUTE_GC__YOUNG", "5000")
+    monkeypatch.setenv("FANROUTE_GC__OLD", "7")
+    assert service_main("probe", ServiceSettings, run, argv=[]) == 0
+    assert seen == [(20_000, 20, 20), (5000, 20, 7)]
+    assert gc.get_threshold() == before  # given back to the process that called it
+
+
+@pytest.mark.parametrize("var,value", [("FANROUTE_GC__YOUNG", "10"), ("FANROUTE_GC__OLD", "lots"),
+                                       ("FANROUTE_GC__FREEZE", "maybe")])
+def test_a_bad_collector_setting_is_refused_naming_it(var, value, monkeypatch, capsys) -> None:
+    from services.common.entry import service_main
+    from services.common.settings import ServiceSettings
+
+    monkeypatch.setenv(var, value)
+
+    async def run(settings: ServiceSettings) -> None:
+        raise AssertionError("must not run")
+
+    assert service_main("probe", ServiceSettings, run, argv=[]) == 2
+    assert f"gc.{var.removeprefix('FANROUTE_GC__').lower()}" in capsys.readouterr().err
+
+
+def test_what_exists_once_an_app_is_built_is_frozen_out_of_the_collectors_reach() -> None:
+    import gc
+
+    from services.common.entry import freeze_setup
+    from services.common.settings import GcSettings
+
+    gc.unfreeze()
+    try:
+        freeze_setup(GcSettings(freeze=False))
+        assert gc.get_freeze_count() == 0
+        freeze_setup(GcSettings())
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_one_unusable_hit_is_skipped_and_the_rest_ranked_in_one_pass() -> None:
     from services.providers.web_base import Hit, rank
 
