@@ -197,7 +197,40 @@ class Bus:
             self.name(spec), group_id=group_id, auto_offset_reset=auto_offset_reset,
             ack_policy=AckPolicy.NACK_ON_ERROR, decoder=_raw_body,
         )
-        return sub(_consume)
+        sub(_consume)
+        return sub
+
+    async def positioned(self, subscriber: Any, timeout_s: float) -> bool:
+        """Wait until ``subscriber`` (what :meth:`subscribe` returned) has its partitions and knows the
+        offset it reads from, so that a record published after this returns True is one it delivers.
+
+        Why: with ``auto_offset_reset="latest"`` the offset is resolved some time after the broker
+        starts (later still while a new topic elects its leader); a record published in between is
+        skipped. False when the subscriber is not running (Kafka was unreachable at start) or is not
+        positioned within ``timeout_s``; True at once on the in-memory bus, which delivers as it publishes.
+        """
+        if self.in_memory:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            consumer = getattr(subscriber, "consumer", None)
+            if consumer is None:
+                return False
+            partitions = consumer.assignment()
+            if partitions:
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        for tp in partitions:
+                            await consumer.position(tp)
+                    return True
+                except TimeoutError:
+                    return False
+                except Exception as exc:  # a rebalance took the partition away meanwhile: look again
+                    log.debug("positioning %s: %s: %s", partitions, type(exc).__name__, exc)
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(min(0.05, max(deadline - loop.time(), 0.0)))  # the group's join: no event to await
 
     async def _handle(self, spec: TopicSpec, handler: Callable[[M], Awaitable[None]], parsed: M, record: Any,
                       group_id: str, max_attempts: int, retry_backoff_s: float) -> None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from schemas.adapter import AdapterPublished, versioned_name
 from schemas.topics import topic
@@ -20,6 +21,8 @@ from services.common.replay_topic import read_topic
 from services.common.stamps import StampStore
 
 log = logging.getLogger(__name__)
+#: How long start waits for the tail to know its offset (a group join; a new topic's leader election).
+TAIL_READY_S = 15.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class PromotedFollower:
         self._redis_seen: tuple[int, str | None] | None = None
         self._changed = asyncio.Condition()
         self._poller: asyncio.Task[None] | None = None
+        self._tail: Any = None
 
     @property
     def current(self) -> Promoted | None:
@@ -55,13 +59,19 @@ class PromotedFollower:
     def subscribe(self) -> None:
         """Tail the adapters topic (call before the bus starts). A group per replica, from the end:
         what was promoted before start comes from Redis or the topic replay in :meth:`start`."""
-        self.bus.subscribe(topic("adapters"), self.on_message, group_id=self.group_id,
-                           auto_offset_reset="latest")
+        self._tail = self.bus.subscribe(topic("adapters"), self.on_message, group_id=self.group_id,
+                                        auto_offset_reset="latest")
 
     async def start(self) -> None:
-        """Load the current promotion (Redis, else the topic from the beginning), then poll Redis."""
+        """Load the current promotion (Redis, else the topic from the beginning), then poll Redis.
+
+        The tail is positioned first, then the topic replayed: a promotion lands either before the
+        replay's end or at or after the tail's offset, so none published during start is missed."""
         found = await self._read_redis()
         self._redis_seen = found
+        if self._tail is not None and not await self.bus.positioned(self._tail, TAIL_READY_S):
+            log.warning("the adapters topic's tail has no offset yet: a promotion published meanwhile is "
+                        "picked up by the Redis poll, not the topic")
         if found is None:
             found = await self._replay_topic()
         if found is not None and self._current is None:  # a tailed promotion during start is newer

@@ -168,3 +168,32 @@ async def test_large_traces_round_trip_compressed_in_big_batches(kafka_bootstrap
     got = sorted((Trace.model_validate_json(r.value) for r in records), key=lambda t: t.trace_id)
     assert [t.trace_id for t in got] == sorted(t.trace_id for t in sent)
     assert all(len(r.value) > 60_000 for r in records) and got[0].candidates[0].answer == text
+
+
+async def test_a_latest_subscriber_once_positioned_delivers_what_is_published_next(kafka_bootstrap):
+    """``Bus.positioned``: after it, a ``latest`` subscriber has its offset, so the next record is not skipped
+    (the gateway's promotion follower waits for it before its start returns)."""
+    settings = _settings(kafka_bootstrap)
+    producer_bus, consumer_bus = Bus(settings), Bus(settings)
+    got: list[str] = []
+    arrived = asyncio.Event()
+
+    async def handle(t: Trace) -> None:
+        got.append(t.trace_id)
+        arrived.set()
+
+    tail = consumer_bus.subscribe(topic("traces"), handle, group_id=f"g-{uuid.uuid4().hex[:8]}",
+                                  auto_offset_reset="latest")
+    assert not await consumer_bus.positioned(tail, 5)  # not started: nothing to wait for
+    await producer_bus.start((topic("traces"),))
+    await producer_bus.publish(topic("traces"), trace(trace_id="before"))
+    await consumer_bus.start((topic("traces"),))
+    try:
+        assert await consumer_bus.positioned(tail, 30)
+        assert tail.consumer.assignment()
+        await producer_bus.publish(topic("traces"), trace(trace_id="after"))
+        await asyncio.wait_for(arrived.wait(), 30)
+    finally:
+        await consumer_bus.stop()
+        await producer_bus.stop()
+    assert got == ["after"]  # "before" came before the subscriber's offset: latest skips it

@@ -117,3 +117,39 @@ async def test_a_garbled_promoted_key_is_a_warning_and_keeps_what_is_followed(fo
     await follower.wait_for(at(2), 5)
     await follower.poll_once()  # the garbled key does not undo what the topic delivered
     assert follower.current.version == 2
+
+
+class OrderedBus:
+    """A bus that records when the tail is positioned and when the topic is replayed, in order."""
+
+    in_memory = False
+    settings = KafkaSettings(bootstrap_servers="127.0.0.1:1")
+
+    def __init__(self, positioned: bool) -> None:
+        self.calls: list[str] = []
+        self._positioned = positioned
+
+    def subscribe(self, *args, **kwargs):
+        return "tail"
+
+    async def positioned(self, subscriber, timeout_s: float) -> bool:
+        self.calls.append(f"positioned {subscriber}")
+        return self._positioned
+
+
+@pytest.mark.parametrize("ready", [True, False])
+async def test_the_tail_is_positioned_before_the_topic_is_replayed(ready, monkeypatch, caplog):
+    """A promotion published during start lands before the replay's end or at the tail's offset."""
+    bus = OrderedBus(ready)
+
+    async def replay(settings, spec, *, model):
+        bus.calls.append("replay")
+        yield announcement(2)
+
+    monkeypatch.setattr("services.gateway.follow.read_topic", replay)
+    follower = PromotedFollower("router", bus, stamps=None, poll_s=3600.0, group_id="gw-test")  # type: ignore[arg-type]
+    follower.subscribe()
+    await follower.start()
+    assert bus.calls == ["positioned tail", "replay"]
+    assert follower.current == Promoted(2, "router@2", None)
+    assert ("tail has no offset yet" in caplog.text) is (not ready)
