@@ -122,6 +122,33 @@ def tokenizer_and_base(base_model: str) -> tuple[Any, Path, int]:
     return tok, base, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
+def truncated_base(base: Path, layers: int, out: Path) -> Path:
+    """A copy of the model at ``base`` keeping its first ``layers`` decoder layers (then its final norm and
+    output layer), saved with its tokenizer at ``out`` (built once): a shallower student, 2/3 of the
+    forward at 20 of SmolLM2's 30 layers."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from services.common.files import atomic_dir
+    from services.models.load import load_causal_lm
+    from services.models.prepare import is_prepared
+
+    if is_prepared(out):
+        return out
+    model = load_causal_lm(base, torch.float32)
+    if not 0 < layers < model.config.num_hidden_layers:
+        raise ValueError(f"layers must be in 1..{model.config.num_hidden_layers - 1}, got {layers}")
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(base).save_pretrained(tmp)
+    return out
+
+
 def new_axes(figsize: tuple[float, float]) -> tuple[Any, Any]:
     """A matplotlib figure and axes on the non-interactive backend."""
     import matplotlib

@@ -41,18 +41,25 @@ from services.tools.demo_loop import LoopOptions  # noqa: E402
 
 DEMO = LoopOptions()
 
+#: LoRA r = 16 on the attention and the MLP projections.
+MLP_LORA: dict[str, Any] = {"lora.r": 16, "lora.alpha": 32, "lora.target_modules": (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+
 #: Recipe name → the trainer settings it changes (``run.*`` and ``lora.*`` are nested fields).
 RECIPES: dict[str, dict[str, Any]] = {
     "first": {},
     "ordering": {"run.target": "ordering"},
     "balanced": {"run.class_balance": 0.5},
     "balanced-full": {"run.class_balance": 1.0},
-    "lora-r16-mlp": {"lora.r": 16, "lora.alpha": 32,
-                     "lora.target_modules": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")},
+    "lora-r16-mlp": MLP_LORA,
     "lr-5e-4": {"lr": 5e-4},
     "cosine": {"lr_schedule": "cosine"},
     "tie-smooth": {"run.tie_smoothing": 0.3},
     "short-prompt": {"prompt": "short"},  # the bench rewrites the system turn of fit and validation episodes
+    # a shallower student: the base's first N decoder layers (the bench builds the copy under --work-dir/bases)
+    "layers-15": {"layers": 15},
+    "layers-20": {"layers": 20},
+    "layers-20-mlp": {"layers": 20, **MLP_LORA},
 }
 
 #: ``short-prompt``'s system turn: the decision only, the provider list kept in the shared renderer's words
@@ -73,15 +80,16 @@ def short_prompt(episodes: list[Any]) -> list[Any]:
     return out
 
 
-def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed: int) -> Any:
+def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed: int,
+                 base_model: str | None = None) -> Any:
     from services.trainer.settings import TrainerSettings
 
     fields: dict[str, Any] = {"episodes_file": fit_file, "output_dir": out, "init_adapter": init, "seed": seed,
                               "allow_uncalibrated": True, "grades_source": "ordering", "eval_fraction": 0.0,
                               "max_steps": 100_000, "checkpoint_every": 0, "run": {"type": "sft", "target": "first"},
-                              "lora": {}}
+                              "lora": {}, **({"base_model": base_model} if base_model else {})}
     for key, value in RECIPES[recipe].items():
-        if key == "prompt":
+        if key in ("prompt", "layers"):
             continue
         head, _, sub = key.partition(".")
         if sub:
@@ -137,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown recipe(s) {unknown}; known: {', '.join(RECIPES)}")
 
-    from bench.routed_eval import Queries, gateway_picks, hedged, tokenizer_and_base
+    from bench.routed_eval import Queries, gateway_picks, hedged, tokenizer_and_base, truncated_base
     from services.common.dataset import write_jsonl
     from services.evaluate.baseline import choose_best_single
     from services.evaluate.inputs import load_traces_file
@@ -188,20 +196,23 @@ def main(argv: list[str] | None = None) -> int:
         if RECIPES[recipe].get("prompt") == "short":
             rq = Queries(short_prompt(val), {t.trace_id: t for t in traces}, tok)
             rfit = write_jsonl(short_prompt(fit_eps), args.work_dir / f"fit-{recipe}.jsonl")
+        rbase, depth = base, RECIPES[recipe].get("layers")
+        if depth is not None:
+            rbase = truncated_base(base, depth, args.work_dir / "bases" / f"L{depth}")
         for p in range(1, args.passes + 1):
             t0 = time.perf_counter()
             shutil.rmtree(args.work_dir / recipe / f"pass{p}", ignore_errors=True)  # a re-run trains afresh
-            run = train(settings_for(recipe, rfit, args.work_dir / recipe / f"pass{p}", init, p),
+            run = train(settings_for(recipe, rfit, args.work_dir / recipe / f"pass{p}", init, p, str(rbase)),
                         out=lambda line: None)
             init = run.adapter_dir
             row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
-                   **routed(rq.adapter_probs(init, base, pad_id), rq)}
+                   **routed(rq.adapter_probs(init, rbase, pad_id), rq)}
             rows.append(row)
             print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
                   f"grade {row['tier_grade']:.2f} cost {row['cost'] * 1000:.2f}m ({row['train_s']:.0f} s) "
                   f"{row['shares']}", flush=True)
             if p == args.passes and taus:
-                rows += [{**r, "pass": p} for r in hedge_rows(recipe, rq.adapter_probs(init, base, pad_id))]
+                rows += [{**r, "pass": p} for r in hedge_rows(recipe, rq.adapter_probs(init, rbase, pad_id))]
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"decision": args.decision, "cost_weight": args.cost_weight,
                                             "fit_episodes": len(fit_eps), "val_episodes": len(val),

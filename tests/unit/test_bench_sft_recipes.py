@@ -85,3 +85,32 @@ def test_a_tiny_run_scores_every_pass_and_runs_again_in_the_same_work_dir(tmp_pa
     drop = ("train_s",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in reports[1]["rows"]] == \
         [{k: v for k, v in r.items() if k not in drop} for r in rep["rows"]]
+
+
+def test_a_shallower_base_is_the_first_layers_of_the_base_and_its_recipes_name_it(tmp_path: Path):
+    """``layers-*`` recipes: the copy keeps the first N decoder layers (its logits are the full model's
+    hidden state after layer N through the same norm and output layer), is built once, refuses a depth it
+    cannot cut, and the trainer is given the copy with the recipe's LoRA."""
+    import torch
+
+    from bench.routed_eval import truncated_base
+    from bench.sft_recipes import settings_for
+    from services.models.load import load_causal_lm
+    from tests.support.tiny_model import build_tiny_model
+
+    base = build_tiny_model(tmp_path / "tiny", layers=3)
+    cut = truncated_base(base, 2, tmp_path / "bases" / "L2")
+    full, short = load_causal_lm(base, torch.float32), load_causal_lm(cut, torch.float32)
+    assert short.config.num_hidden_layers == 2 and len(short.model.layers) == 2
+    ids = torch.tensor([[1, 5, 9, 13, 17]])
+    with torch.no_grad():
+        after_two = full(ids, output_hidden_states=True).hidden_states[2]
+        assert torch.allclose(short(ids).logits, full.lm_head(full.model.norm(after_two)), atol=1e-5)
+    stamp = (cut / "config.json").stat().st_mtime_ns
+    assert truncated_base(base, 2, cut) == cut and (cut / "config.json").stat().st_mtime_ns == stamp  # built once
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="layers must be in 1..2"):
+            truncated_base(base, bad, tmp_path / "bases" / f"L{bad}")
+    s = settings_for("layers-20-mlp", tmp_path / "fit.jsonl", tmp_path, None, 1, str(cut))
+    assert s.base_model == str(cut) and s.lora.r == 16 and "down_proj" in s.lora.target_modules
+    assert settings_for("first", tmp_path / "fit.jsonl", tmp_path, None, 1).lora.r == 8  # the default is untouched
