@@ -45,9 +45,11 @@ def export_merged(base_model_dir: Path, adapter_dir: Path, out_dir: Path, *, dty
     load_kw = _gguf_kwargs(base_model_dir)
     source = base_model_dir.parent if "gguf_file" in load_kw else base_model_dir
     from services.common.hf import model_loading
+    from services.models.adapters import check_adapter_fits
 
     with model_loading():
         base = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **load_kw)
+        check_adapter_fits(base, adapter_dir)  # peft would merge another base's adapter without a word
         merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.partial-"))

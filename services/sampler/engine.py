@@ -141,12 +141,14 @@ class Engine:
         from peft import PeftModel
 
         from services.common.hf import model_loading
+        from services.models.adapters import check_adapter_fits
 
         t0 = time.perf_counter()
         with self.lock, model_loading(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # peft warns on every extra adapter: that is the point here
             self._forget(slot)
             try:
+                check_adapter_fits(self.model, path)  # peft would load another base's adapter without a word
                 if self._peft is None:
                     self._peft = PeftModel.from_pretrained(self.model, str(path), adapter_name=slot,
                                                            is_trainable=False)

@@ -270,8 +270,14 @@ def build_model(plan: Plan, out: Out) -> Any:
     if s.init_adapter is not None:
         if not (s.init_adapter / "adapter_config.json").is_file():
             raise ConfigError(f"init_adapter {s.init_adapter} is not a peft adapter directory (no adapter_config.json)")
-        out(f"starting from adapter {s.init_adapter} (its LoRA shape replaces the lora settings)")
         from services.common.hf import model_loading
+        from services.models.adapters import AdapterMismatchError, check_adapter_fits
+
+        try:
+            check_adapter_fits(base, s.init_adapter)
+        except AdapterMismatchError as exc:
+            raise ConfigError(f"init_adapter: {exc}") from exc
+        out(f"starting from adapter {s.init_adapter} (its LoRA shape replaces the lora settings)")
 
         with model_loading():
             model = PeftModel.from_pretrained(base, s.init_adapter, is_trainable=True)

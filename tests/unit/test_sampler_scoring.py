@@ -291,3 +291,21 @@ async def test_a_one_token_completion_without_prompt_logprobs_is_scored_lean(har
         assert abs(choice["logprobs"]["token_logprobs"][0] - float(row.max())) < TOL
     assert harness.metric("fanroute_sampler_score_forwards_total", cache="partial") \
         + harness.metric("fanroute_sampler_score_forwards_total", cache="hit") >= 1  # the second reused the first
+
+
+async def test_an_adapter_trained_on_another_base_is_refused_over_http_and_the_loaded_ones_still_serve(
+        harness, tiny, tmp_path):
+    """``/v1/load_lora_adapter`` with an adapter of a deeper base (the same sizes, one layer more): a 400
+    naming the mismatch (peft itself would have loaded it, dropping the extra layer's weights)."""
+    from tests.support.tiny_model import build_lora_adapter, build_tiny_model
+
+    deeper = build_tiny_model(tmp_path / "deeper", context=128, layers=3)
+    r = await harness.client.post("/v1/load_lora_adapter", json={"lora_name": "deeper", "lora_path": str(
+        build_lora_adapter(deeper, tmp_path / "deeper-lora", seed=1))})
+    assert r.status_code == 400 and "does not fit this base model" in r.json()["message"], r.text
+    assert "model.layers.2." in r.json()["message"] and r.json()["param"] == "lora_path"
+    assert (await harness.client.post("/v1/load_lora_adapter",
+                                      json={"lora_name": "lora-a", "lora_path": str(tiny["a"])})).status_code == 200
+    body = await harness.score(harness.router_prompts("what is a cell?"), k=2, model="lora-a")
+    for choice in body["choices"]:
+        assert_prompt_logprobs_match(harness, "a", choice, 2)
