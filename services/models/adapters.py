@@ -41,15 +41,15 @@ def saved_modules(adapter_dir: Path) -> set[str]:
 
 
 def target_modules(model: Any, targets: list[str] | str) -> set[str]:
-    """The base model's modules a LoRA config targets, as peft matches them: a list names the last part
-    of a module's name, a string is a regular expression over the whole name. A model that already holds
-    adapters (peft's wrapped modules keep their names) gives the same set as the bare one."""
+    """The base model's modules a LoRA config targets, as peft matches them: a list entry is a module's
+    name or its dotted ending (``q_proj``, ``self_attn.q_proj``), a string a regular expression over the
+    whole name. A model that already holds adapters (peft's wrapped modules keep their names) gives the
+    same set as the bare one."""
     names = (name.removeprefix(SAVED_PREFIX) for name, _ in model.named_modules())
     if isinstance(targets, str):
         pattern = re.compile(targets)
         return {n for n in names if pattern.fullmatch(n)}
-    wanted = set(targets)
-    return {n for n in names if n.rsplit(".", 1)[-1] in wanted}
+    return {n for n in names if any(n == t or n.endswith(f".{t}") for t in targets)}
 
 
 def check_adapter_fits(model: Any, adapter_dir: str | Path) -> None:
@@ -61,8 +61,8 @@ def check_adapter_fits(model: Any, adapter_dir: str | Path) -> None:
     except (OSError, ValueError) as exc:
         raise AdapterMismatchError(f"{adapter_dir}: unreadable adapter_config.json: {exc}") from exc
     targets = config.get("target_modules")
-    if not targets or config.get("layers_to_transform") is not None:
-        return  # nothing to match module names against (or peft narrows them itself)
+    if not targets or any(config.get(k) for k in ("layers_to_transform", "exclude_modules", "target_parameters")):
+        return  # nothing to match module names against, or peft narrows or widens the set itself
     saved, expected = saved_modules(adapter_dir), target_modules(model, targets)
     extra, missing = sorted(saved - expected), sorted(expected - saved)
     if extra or missing:

@@ -58,6 +58,8 @@ def test_a_base_that_already_holds_adapters_is_matched_by_the_same_names(models:
     check_adapter_fits(base, regex)
     with pytest.raises(AdapterMismatchError, match="no weights for 1 of its 3"):
         check_adapter_fits(base, _regex_copy(tmp_path, models))
+    dotted = build_lora_adapter(models["deep"], tmp_path / "dotted", seed=5, targets=("self_attn.v_proj",))
+    check_adapter_fits(base, dotted)  # peft's "ends with" rule, not only the last name
 
 
 def _regex_copy(tmp_path: Path, models: dict[str, Path]) -> Path:
