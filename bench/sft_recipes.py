@@ -19,7 +19,8 @@ shares; beside them, on the same validation queries: the linear router fitted on
 ``--hedge 0.5,0.7`` adds, after each recipe's last pass (and for the linear router), the same router
 made to hand the queries it is unsure of to the best single provider: where its top probability is
 below τ, the best single provider answers. Those rows carry the cost per query and the share handed
-over (a knob tried for the judge's measure; issue 23).
+over (a knob tried for the judge's measure; issue 23). ``--ensemble 0.25,0.5,0.75`` adds rows of each recipe's
+last pass averaged with the linear router (weight w on the student's probabilities), decided the same way.
 
 Writes bench/results/sft_recipes.json and a PNG of validation nDCG by pass.
 """
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--val-fraction", type=_bounded(float, 0.01, 0.9), default=0.25)
     ap.add_argument("--hedge", type=_taus, default=[], help="comma-separated τ: rows of each router handing queries whose top "
                     "probability is below τ to the best single provider")
+    ap.add_argument("--ensemble", type=_taus, default=[], help="comma-separated weights w: rows of each recipe's last "
+                    "pass with w · its probabilities + (1 − w) · the linear router's, decided the same way")
     ap.add_argument("--decision", choices=("top-tier", "first-choice"), default=DEMO.decision,
                     help="how every router row decides, as the gateway does (default: the demo's)")
     ap.add_argument("--cost-weight", type=_bounded(float, 0, 1e6), default=DEMO.cost_weight,
@@ -213,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['shares']}", flush=True)
             if p == args.passes and taus:
                 rows += [{**r, "pass": p} for r in hedge_rows(recipe, rq.adapter_probs(init, rbase, pad_id))]
+            if p == args.passes and args.ensemble:
+                rows += ensemble_rows(recipe, p, rq.adapter_probs(init, rbase, pad_id), rq.linear_probs(fit_eps),
+                                      args.ensemble, lambda probs, rq=rq: routed(probs, rq))
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"decision": args.decision, "cost_weight": args.cost_weight,
                                             "fit_episodes": len(fit_eps), "val_episodes": len(val),
@@ -221,11 +227,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def ensemble_rows(recipe: str, p: int, lm: dict[str, dict[str, float]], linear: dict[str, dict[str, float]],
+                  weights: list[float], routed: Any) -> list[dict[str, Any]]:
+    """Rows of the student and the linear router averaged, ``w`` on the student, each decided by ``routed``."""
+    out = []
+    for w in weights:
+        mixed = {e: {n: w * v + (1 - w) * linear[e].get(n, 0.0) for n, v in probs.items()} for e, probs in lm.items()}
+        out.append({"policy": f"{recipe} + linear router", "pass": p, "w_lm": w, **routed(mixed)})
+        r = out[-1]
+        print(f"{r['policy']:<28} w {w:.2f}: nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f} "
+              f"grade {r['tier_grade']:.2f} cost {r['cost'] * 1000:.2f}m", flush=True)
+    return out
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     from bench.routed_eval import finish, new_axes
 
     fig, ax = new_axes((7, 4))
-    rows = [r for r in rows if "tau" not in r]  # the hedged rows are a table, not a curve
+    rows = [r for r in rows if "tau" not in r and "w_lm" not in r]  # hedged and mixed rows are a table, not a curve
     for name in dict.fromkeys(r["policy"] for r in rows if "pass" in r):
         pts = [(r["pass"], r["ndcg10"]) for r in rows if r["policy"] == name and "pass" in r]
         ax.plot(*zip(*pts, strict=True), marker="o", label=name)

@@ -74,13 +74,18 @@ def test_a_tiny_run_scores_every_pass_and_runs_again_in_the_same_work_dir(tmp_pa
     for name in ("first.json", "again.json"):
         out = tmp_path / name
         assert main(["--episodes", str(tmp_path / "episodes.jsonl"), "--traces", str(tmp_path / "traces.jsonl"),
-                     "--recipes", "first", "--passes", "2", "--work-dir", str(tmp_path / "work"),
+                     "--recipes", "first", "--passes", "2", "--work-dir", str(tmp_path / "work"), "--ensemble", "0,1",
                      "--out", str(out)]) == 0
         reports.append(json.loads(out.read_text()))
     rep = reports[0]
     assert (rep["decision"], rep["cost_weight"]) == ("top-tier", 150.0)
     passes = [r for r in rep["rows"] if r["policy"] == "first"]
     assert [r["pass"] for r in passes] == [1, 2]
+    mixed = {r["w_lm"]: r for r in rep["rows"] if "w_lm" in r}
+    assert sorted(mixed) == [0.0, 1.0] and mixed[1.0]["pass"] == 2
+    linear = next(r for r in rep["rows"] if r["policy"] == "linear router")
+    for key in ("ndcg10", "agree", "shares"):  # all weight on one router: that router's row
+        assert mixed[1.0][key] == passes[-1][key] and mixed[0.0][key] == linear[key]
     assert all(0.0 <= r["ndcg10"] <= 1.0 and r["cost"] > 0 for r in rep["rows"])
     drop = ("train_s",)
     assert [{k: v for k, v in r.items() if k not in drop} for r in reports[1]["rows"]] == \
