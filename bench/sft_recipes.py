@@ -101,13 +101,13 @@ def settings_for(recipe: str, fit_file: Path, out: Path, init: Path | None, seed
 
 
 def _taus(text: str) -> list[float]:
-    """``--hedge``: comma-separated shares in 0..1."""
+    """``--hedge`` and ``--ensemble``: comma-separated shares in 0..1."""
     try:
         taus = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"want comma-separated numbers in 0..1, got {text!r}") from None
     if any(not 0 <= t <= 1 for t in taus):
-        raise argparse.ArgumentTypeError(f"every τ must be within 0..1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"every value must be within 0..1, got {text!r}")
     return taus
 
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return queries.summary(gateway_picks(probs, cost, args.cost_weight, rates), cost)
 
     rows: list[dict[str, Any]] = [
-        {"policy": "linear router", **routed(q.linear_probs(fit_eps))},
+        {"policy": "linear router", **routed(linear := q.linear_probs(fit_eps))},
         {"policy": f"best single ({best})", **q.summary({ep.episode_id: best for ep in val}, cost)},
         {"policy": "judge-oracle (the label)", **q.summary({k: v for k, v in q.labels.items() if v}, cost)},
     ]
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"cost {r['cost']:.5f} handed over {r['handed_over']:.2f}", flush=True)
         return out
 
-    rows += hedge_rows("linear router", q.linear_probs(fit_eps))
+    rows += hedge_rows("linear router", linear)
     for r in rows:
         print(f"{r['policy']:<28} nDCG@10 {r['ndcg10']:.3f} agree {r['agree']:.2f} grade {r['tier_grade']:.2f} "
               f"cost {r['cost'] * 1000:.2f}m", flush=True)
@@ -208,16 +208,16 @@ def main(argv: list[str] | None = None) -> int:
             run = train(settings_for(recipe, rfit, args.work_dir / recipe / f"pass{p}", init, p, str(rbase)),
                         out=lambda line: None)
             init = run.adapter_dir
-            row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
-                   **routed(rq.adapter_probs(init, rbase, pad_id), rq)}
+            probs = rq.adapter_probs(init, rbase, pad_id)  # one pass over the validation queries serves every row
+            row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1), **routed(probs, rq)}
             rows.append(row)
             print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
                   f"grade {row['tier_grade']:.2f} cost {row['cost'] * 1000:.2f}m ({row['train_s']:.0f} s) "
                   f"{row['shares']}", flush=True)
             if p == args.passes and taus:
-                rows += [{**r, "pass": p} for r in hedge_rows(recipe, rq.adapter_probs(init, rbase, pad_id))]
+                rows += [{**r, "pass": p} for r in hedge_rows(recipe, probs)]
             if p == args.passes and args.ensemble:
-                rows += ensemble_rows(recipe, p, rq.adapter_probs(init, rbase, pad_id), rq.linear_probs(fit_eps),
+                rows += ensemble_rows(recipe, p, probs, linear,
                                       args.ensemble, lambda probs, rq=rq: routed(probs, rq))
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps({"decision": args.decision, "cost_weight": args.cost_weight,

@@ -43,7 +43,8 @@ def test_rows_pick_as_the_gateway_does():
 
 
 @pytest.mark.parametrize("flag, value, says", [("--cost-weight", "-1", "0..1e+06"), ("--cost-weight", "abc", "not a number"),
-                                               ("--passes", "0", "1..100"), ("--val-fraction", "1.5", "0.01..0.9")])
+                                               ("--passes", "0", "1..100"), ("--val-fraction", "1.5", "0.01..0.9"),
+                                               ("--ensemble", "0.5,2", "0..1"), ("--ensemble", "half", "0..1")])
 def test_a_bad_number_is_refused_naming_the_flag(tmp_path: Path, capsys, flag: str, value: str, says: str):
     from bench.sft_recipes import main
 
