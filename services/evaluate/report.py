@@ -13,10 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from services.evaluate.baseline import BestSingle
 from services.evaluate.ceiling import CollectionRow
 from services.evaluate.ceiling import render as render_ceiling
-from services.evaluate.inputs import EvalInputError
 from services.evaluate.frontier import FrontierReport
 from services.evaluate.frontier import plot as plot_frontier
 from services.evaluate.frontier import render as render_frontier
+from services.evaluate.halves import HalfRow
+from services.evaluate.halves import render as render_halves
+from services.evaluate.inputs import EvalInputError
 from services.evaluate.metrics import MEASURES, Paired, PolicyMetrics
 from services.evaluate.policies import POLICIES, Outcome
 from services.router.modes import Decision
@@ -118,6 +120,9 @@ class EvalReport(BaseModel):
         default_factory=dict, description="Measure → the candidate's cost-quality curve over λ (scoring routers)")
     collections: list[CollectionRow] = Field(
         default_factory=list, description="The label ceiling per collection: judge-oracle vs the hindsight best")
+    dev_halves: list[HalfRow] = Field(
+        default_factory=list, description="The human figures on the held-out queries in each half of the dev "
+                                          "queries: the one settings were tuned on, and the one nothing was")
 
     def summary(self) -> dict[str, Any]:
         """Everything but the per-query rows (the evidence stored beside a promotion)."""
@@ -192,6 +197,7 @@ def render(report: EvalReport) -> str:
                      f"(wins/ties/losses {c.wins}/{c.ties}/{c.losses}){power}")
     for curve in report.frontier.values():
         lines += ["", f"candidate over λ, {render_frontier(curve)}"]
+    lines += render_halves(report.dev_halves)
     lines += render_ceiling(report.collections)
     return "\n".join(lines)
 

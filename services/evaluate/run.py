@@ -18,6 +18,7 @@ from services.evaluate import policies as pol
 from services.evaluate.baseline import choose_best_single
 from services.evaluate.ceiling import per_collection
 from services.evaluate.curves import candidate_curves, per_domain_choice
+from services.evaluate.halves import by_dev_half
 from services.evaluate.inputs import (
     EvalInputError,
     held_out,
@@ -127,7 +128,8 @@ async def run_eval(opts: EvalOptions, settings: JudgeSettings) -> EvalReport:
         best_single=best, linear=linear.describe() if linear is not None else None, cost_weight=opts.cost_weight,
         decision=opts.decision, rates_from=rates_source(opts), untabled=untabled, seed=opts.seed)
     return EvalReport(created_at=datetime.now(UTC), inputs=inputs, policies=metrics, comparisons=comparisons,
-                      queries=rows, frontier=curves, collections=per_collection(scored, outcomes))
+                      queries=rows, frontier=curves, collections=per_collection(scored, outcomes),
+                      dev_halves=by_dev_half(scored, outcomes, adapters, seed=opts.seed, resamples=opts.resamples))
 
 
 #: The linear router's name in the report (it is fitted here, not served).

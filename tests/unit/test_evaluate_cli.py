@@ -10,6 +10,7 @@ import pytest
 
 from services.cli import main
 from services.common.dataset import write_jsonl
+from services.common.splits import dev_half
 from tests.support.http_fake import router_server, scoring_router_app
 from tests.support.serving import LoopbackServer
 from tests.support.records import adi, adi_trace, candidate, episode, trace
@@ -226,6 +227,13 @@ def test_the_label_ceiling_per_collection(inputs, router, capsys):
     assert sum(row["judge_first_counts"].values()) == 6
     assert row["judge_first_not_best"] == 6 - row["judge_first_counts"].get("good", 0)
     assert "the label ceiling per collection" in out and "adi" in out
+    # and the same queries by the dev half they lie in (what was tuned on them), each half its own figures
+    halves = {r["half"]: r for r in report["dev_halves"]}
+    held = [q["query_id"] for q in report["queries"]]
+    assert {h: r["queries"] for h, r in halves.items()} == {
+        h: n for h in ("tune", "validation") if (n := sum(dev_half(q) == h for q in held))}
+    assert all(r["human"]["candidate"] == pytest.approx(1.0) for r in halves.values())
+    assert "by half of the dev queries" in out
 
 
 @pytest.mark.parametrize("decision", ["top-tier", "first-choice"])
