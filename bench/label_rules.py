@@ -73,6 +73,9 @@ async def judged(traces) -> dict[str, tuple[dict[str, float], tuple[tuple[str, .
 
 async def main(args: argparse.Namespace) -> dict:
     demo = Path(args.demo_dir)
+    for need in ("train/episodes.jsonl", "eval/traces.jsonl"):
+        if not (demo / need).is_file():
+            raise SystemExit(f"label_rules: {demo / need} does not exist (--demo-dir: a finished demo's output folder)")
     train_q = {normalise_query(query_of(decode(Episode, line)))
                for line in (demo / "train" / "episodes.jsonl").read_bytes().splitlines() if line.strip()}
     traces = [t for t in load_traces_file(demo / "eval" / "traces.jsonl") if t.mode == "fanout"]
