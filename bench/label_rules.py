@@ -10,6 +10,11 @@ unless ``--split held-out`` is asked for, after a rule is chosen).
 
 Rules: ``tier-cost-name`` (the label today), ``tier-cost-score`` (the same, the judge's score before the
 name), ``tier-score`` (top tier by score, cost ignored), ``score`` (the highest score, grades ignored).
+
+``--cut-points`` also asks whether the judge's blend weight and cut points, chosen for its tau-b on the dev
+queries' tuning half (``bench/judge_tune.py``), should instead be chosen for its labels' nDCG: the grid of
+``judge_tune.py`` searched on one half of the training queries (by hash of the query id) and scored on the
+other, both ways round, beside today's settings on the same halves.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import hashlib
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -71,6 +78,78 @@ async def judged(traces) -> dict[str, tuple[dict[str, float], tuple[tuple[str, .
     return out
 
 
+#: The grid of ``bench/judge_tune.py``: blend weights, and three increasing cut points from these.
+WEIGHTS, CUTS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), tuple(round(0.05 * i, 2) for i in range(2, 19))
+
+
+def parts(traces) -> dict[str, tuple[tuple[str, ...], list[float], list[float]]]:
+    """Per trace: the providers, and each one's lexical and MiniLM scores (-1: failed, graded 0 by rule)."""
+    from services.judge.backends.local import LocalJudge
+    from services.judge.settings_local import LocalJudgeConfig
+
+    judge = LocalJudge(LocalJudgeConfig(use_embeddings=True))
+    asyncio.run(judge.start())
+    out = {}
+    for t in traces:
+        seen = blind(t, 0)
+        shown = [c.sources[:judge.config.top_sources] for c in seen.request.candidates]
+        names = tuple(seen.letters[c.letter] for c in seen.request.candidates) + tuple(seen.not_shown)
+        pad = [-1.0] * len(seen.not_shown)
+        out[t.trace_id] = (names, [*judge._lexical(seen.request.query, shown), *pad],
+                           [*judge._cosine(seen.request.query, shown), *pad])
+    asyncio.run(judge.close())
+    return out
+
+
+def label_ndcg(rows, w: float, cuts, costs: dict[str, float]) -> float:
+    """Mean nDCG@10 (qrels) of the provider the label names when the judge blends with ``w`` and cuts at ``cuts``."""
+    from services.judge.backends.local import grade_of, tiers_by_grade
+
+    total = 0.0
+    for (names, lex, cos), ndcg in rows:
+        grades = {n: grade_of((1 - w) * a + w * b, cuts) if a >= 0 else -1 for n, a, b in zip(names, lex, cos)}
+        total += ndcg.get(cost_aware(tiers_by_grade(grades), costs)[0][0], 0.0)
+    return total / len(rows)
+
+
+def fold_of(key: str, salt: int) -> int:
+    """0 or 1 by hash of the query id (salt 0: the bare id, the split of the first run)."""
+    return hashlib.sha256(((f"{salt}:" if salt else "") + key).encode()).digest()[0] % 2
+
+
+def cut_points_cv(traces, human, costs: dict[str, float], today: tuple[float, tuple[float, ...]],
+                  salts: tuple[int, ...] = (0,)) -> dict:
+    """Two-fold per salt: the grid's best on each half of the queries, scored on the other, beside today's."""
+    scores = parts(traces)
+    grid = [(w, c) for w in WEIGHTS for c in itertools.combinations(CUTS, 3)]
+    out = []
+    for salt in salts:
+        folds: list[list] = [[], []]
+        for t in traces:
+            folds[fold_of(t.query_id or t.query, salt)].append((scores[t.trace_id], human[t.trace_id].ndcg))
+        for k in (0, 1):
+            fit, other = folds[k], folds[1 - k]
+            best = max((label_ndcg(fit, w, c, costs), w, c) for w, c in grid)
+            r = {"salt": salt, "fit_queries": len(fit), "other_queries": len(other), "weight": best[1],
+                 "cut_points": best[2], "fit_ndcg10": round(best[0], 4),
+                 "fit_ndcg10_today": round(label_ndcg(fit, *today, costs), 4),
+                 "other_ndcg10": round(label_ndcg(other, best[1], best[2], costs), 4),
+                 "other_ndcg10_today": round(label_ndcg(other, *today, costs), 4)}
+            out.append(r)
+            print(f"  salt {salt}: fitted on {r['fit_queries']} (w={r['weight']}, cuts={r['cut_points']}): "
+                  f"{r['fit_ndcg10']:.4f} there (today {r['fit_ndcg10_today']:.4f}); on the other "
+                  f"{r['other_queries']}: {r['other_ndcg10']:.4f} (today {r['other_ndcg10_today']:.4f})", flush=True)
+    gains = [r["other_ndcg10"] - r["other_ndcg10_today"] for r in out]
+    best = max((label_ndcg([(scores[t.trace_id], human[t.trace_id].ndcg) for t in traces], w, c, costs), w, c)
+               for w, c in grid)
+    print(f"  out-of-fold gain over today's settings: mean {sum(gains) / len(gains):+.4f}, "
+          f"{sum(g > 0 for g in gains)} of {len(gains)} above 0; on all {len(traces)} queries the grid's best is "
+          f"w={best[1]}, cuts={best[2]} ({best[0]:.4f})", flush=True)
+    return {"today": {"weight": today[0], "cut_points": today[1]}, "folds": out,
+            "out_of_fold_gain_mean": round(sum(gains) / len(gains), 4), "out_of_fold_gains_above_0": sum(g > 0 for g in gains),
+            "all_queries_best": {"weight": best[1], "cut_points": best[2], "ndcg10": round(best[0], 4)}}
+
+
 async def main(args: argparse.Namespace) -> dict:
     demo = Path(args.demo_dir)
     for need in ("train/episodes.jsonl", "eval/traces.jsonl"):
@@ -103,6 +182,13 @@ async def main(args: argparse.Namespace) -> dict:
     for rule, r in rows.items():
         shares = ", ".join(f"{n} {c}" for n, c in r["shares"].items())
         print(f"  {rule:<16} {r['ndcg10']:>8.4f} {r['cost_usd']:>9.6f} {r['changed_vs_today']:>8}  {shares}")
+    if args.cut_points:
+        from services.judge.settings_local import LocalJudgeConfig
+
+        c = LocalJudgeConfig()
+        print("the judge's weight and cut points chosen for its labels' nDCG, two-fold over these queries:")
+        report["cut_points"] = await asyncio.to_thread(cut_points_cv, traces, human, costs,
+                                                       (c.embedding_weight, tuple(c.cut_points)), args.fold_salts)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
@@ -114,6 +200,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--demo-dir", default="out/demo", help="a finished demo's output folder")
     p.add_argument("--split", choices=("train", "held-out"), default="train",
                    help="whose queries: the demo's training split (default) or its held-out one")
+    p.add_argument("--cut-points", action="store_true",
+                   help="also choose the judge's weight and cut points for its labels' nDCG, two-fold")
+    p.add_argument("--fold-salts", type=lambda v: tuple(int(x) for x in v.split(",")), default=(0,),
+                   help="with --cut-points: one two-fold split per salt (comma-separated integers)")
     p.add_argument("--json", default="", help="also write the figures here")
     return p.parse_args(argv)
 
