@@ -14,7 +14,9 @@ name), ``tier-score`` (top tier by score, cost ignored), ``score`` (the highest 
 ``--cut-points`` also asks whether the judge's blend weight and cut points, chosen for its tau-b on the dev
 queries' tuning half (``bench/judge_tune.py``), should instead be chosen for its labels' nDCG: the grid of
 ``judge_tune.py`` searched on one half of the training queries (by hash of the query id) and scored on the
-other, both ways round, beside today's settings on the same halves.
+other, both ways round (one split per ``--fold-salts`` value), beside today's settings on the same halves;
+then the grid's best on the training queries in the dev queries' tuning half, scored on those in the
+validation half (the judge gate reports on the validation half, so nothing is chosen there).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from schemas.base import decode
 from schemas.episode import Episode
 from services.common.labels import cost_aware
 from services.common.prompt import query_of
-from services.common.splits import normalise_query
+from services.common.splits import dev_half, normalise_query
 from services.evaluate.inputs import load_traces_file
 from services.judge.blind import blind
 from services.judge.settings import build_backend, default_judge
@@ -85,9 +87,8 @@ WEIGHTS, CUTS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), tuple(round(0.05 * i, 
 def parts(traces) -> dict[str, tuple[tuple[str, ...], list[float], list[float]]]:
     """Per trace: the providers, and each one's lexical and MiniLM scores (-1: failed, graded 0 by rule)."""
     from services.judge.backends.local import LocalJudge
-    from services.judge.settings_local import LocalJudgeConfig
 
-    judge = LocalJudge(LocalJudgeConfig(use_embeddings=True))
+    judge = LocalJudge(default_judge())  # its top_sources: what the judge reads; weight and cuts come per call
     asyncio.run(judge.start())
     out = {}
     for t in traces:
@@ -140,14 +141,25 @@ def cut_points_cv(traces, human, costs: dict[str, float], today: tuple[float, tu
                   f"{r['fit_ndcg10']:.4f} there (today {r['fit_ndcg10_today']:.4f}); on the other "
                   f"{r['other_queries']}: {r['other_ndcg10']:.4f} (today {r['other_ndcg10_today']:.4f})", flush=True)
     gains = [r["other_ndcg10"] - r["other_ndcg10_today"] for r in out]
-    best = max((label_ndcg([(scores[t.trace_id], human[t.trace_id].ndcg) for t in traces], w, c, costs), w, c)
-               for w, c in grid)
     print(f"  out-of-fold gain over today's settings: mean {sum(gains) / len(gains):+.4f}, "
-          f"{sum(g > 0 for g in gains)} of {len(gains)} above 0; on all {len(traces)} queries the grid's best is "
-          f"w={best[1]}, cuts={best[2]} ({best[0]:.4f})", flush=True)
+          f"{sum(g > 0 for g in gains)} of {len(gains)} above 0", flush=True)
+    # the setting to adopt is chosen on the training queries of the dev queries' tuning half only: the
+    # validation half is the judge gate's honest figure (and the held-out queries were never read here)
+    half = {h: [(scores[t.trace_id], human[t.trace_id].ndcg) for t in traces if dev_half(t.query_id or "") == h]
+            for h in ("tune", "validation")}
+    best = max((label_ndcg(half["tune"], w, c, costs), w, c) for w, c in grid)
+    chosen = {"weight": best[1], "cut_points": best[2], "tune_queries": len(half["tune"]),
+              "tune_ndcg10": round(best[0], 4), "tune_ndcg10_today": round(label_ndcg(half["tune"], *today, costs), 4),
+              "validation_queries": len(half["validation"]),
+              "validation_ndcg10": round(label_ndcg(half["validation"], best[1], best[2], costs), 4),
+              "validation_ndcg10_today": round(label_ndcg(half["validation"], *today, costs), 4)}
+    print(f"  chosen on the {chosen['tune_queries']} training queries in the dev tuning half: w={best[1]}, "
+          f"cuts={best[2]}: {chosen['tune_ndcg10']:.4f} (today {chosen['tune_ndcg10_today']:.4f}); on the "
+          f"{chosen['validation_queries']} in the validation half: {chosen['validation_ndcg10']:.4f} "
+          f"(today {chosen['validation_ndcg10_today']:.4f})", flush=True)
     return {"today": {"weight": today[0], "cut_points": today[1]}, "folds": out,
-            "out_of_fold_gain_mean": round(sum(gains) / len(gains), 4), "out_of_fold_gains_above_0": sum(g > 0 for g in gains),
-            "all_queries_best": {"weight": best[1], "cut_points": best[2], "ndcg10": round(best[0], 4)}}
+            "out_of_fold_gain_mean": round(sum(gains) / len(gains), 4),
+            "out_of_fold_gains_above_0": sum(g > 0 for g in gains), "chosen": chosen}
 
 
 async def main(args: argparse.Namespace) -> dict:
@@ -183,9 +195,7 @@ async def main(args: argparse.Namespace) -> dict:
         shares = ", ".join(f"{n} {c}" for n, c in r["shares"].items())
         print(f"  {rule:<16} {r['ndcg10']:>8.4f} {r['cost_usd']:>9.6f} {r['changed_vs_today']:>8}  {shares}")
     if args.cut_points:
-        from services.judge.settings_local import LocalJudgeConfig
-
-        c = LocalJudgeConfig()
+        c = default_judge()
         print("the judge's weight and cut points chosen for its labels' nDCG, two-fold over these queries:")
         report["cut_points"] = await asyncio.to_thread(cut_points_cv, traces, human, costs,
                                                        (c.embedding_weight, tuple(c.cut_points)), args.fold_salts)

@@ -36,3 +36,27 @@ def test_a_folder_without_a_demo_is_named(tmp_path):
 
     with pytest.raises(SystemExit, match=r"train/episodes.jsonl does not exist"):
         asyncio.run(main(parse(["--demo-dir", str(tmp_path)])))
+
+
+def test_label_ndcg_scores_the_provider_the_label_names_under_given_cut_points():
+    from bench.label_rules import label_ndcg
+
+    # (names, lexical, cosine) and each provider's nDCG; web-lexical failed (-1: graded 0 by rule)
+    rows = [((("aero", "libsci", "web-lexical"), [0.5, 0.5, -1.0], [0.6, 0.3, -1.0]),
+             {"aero": 0.8, "libsci": 0.2, "web-lexical": 1.0})]
+    # w = 1: cosine only. Cut at 0.25/0.5/0.7: aero grade 2, libsci 1 -> aero is the label
+    assert label_ndcg(rows, 1.0, (0.25, 0.5, 0.7), COSTS) == pytest.approx(0.8)
+    # cut at 0.2/0.25/0.9: both grade 2, a tie: libsci is cheaper -> libsci
+    assert label_ndcg(rows, 1.0, (0.2, 0.25, 0.9), COSTS) == pytest.approx(0.2)
+
+
+def test_folds_are_fixed_by_the_query_id_and_salt():
+    import hashlib
+
+    from bench.label_rules import fold_of
+
+    assert fold_of("cacm/1", 0) == hashlib.sha256(b"cacm/1").digest()[0] % 2
+    ids = [f"cacm/{i}" for i in range(200)]
+    assert [fold_of(q, 1) for q in ids] == [fold_of(q, 1) for q in ids]
+    assert [fold_of(q, 1) for q in ids] != [fold_of(q, 2) for q in ids]
+    assert 60 < sum(fold_of(q, 3) for q in ids) < 140
