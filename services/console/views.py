@@ -73,7 +73,8 @@ def eval_page(doc: dict[str, Any], decision: dict[str, Any] | None) -> dict[str,
                        "figures": {k: f.get(k) for k in ("aiq_router", "aiq_mixing", "apgr", "cpt50", "cpt80",
                                                          "weak", "strong")}})
     return {"inputs": doc.get("inputs") or {}, "policies": policies, "comparisons": doc.get("comparisons") or [],
-            "collections": doc.get("collections") or [], "planes": planes, "decision": decision}
+            "collections": doc.get("collections") or [], "dev_halves": doc.get("dev_halves") or [],
+            "planes": planes, "decision": decision}
 
 
 def adapters_page(events: list[Any], promoted: dict[str, tuple[int, str | None] | None],

@@ -166,7 +166,33 @@ def test_the_evaluation_page_shows_each_comparisons_interval_and_power_and_reads
         assert shown in r.text, shown
     r = client.get("/eval?id=evals/older", headers=HTML)
     assert r.status_code == 200, r.text
-    assert "best_single" in r.text
+    assert "best_single" in r.text and 'id="dev-halves"' not in r.text  # an older report has no split
+
+
+def test_the_evaluation_page_shows_the_split_by_dev_half(app, tmp_path):
+    from services.evaluate.halves import by_dev_half
+    from services.evaluate.policies import Outcome, QueryScores
+    from tests.support.records import candidate
+    from tests.support.records import trace as make_trace
+
+    scored = [QueryScores(trace=make_trace(f"t{q}", [candidate("a")], query_id=f"adi/{q}"), human={"a": 1.0},
+                          judge={"a": 2}) for q in ("1", "3")]  # adi/1: tuning half, adi/3: validation half
+
+    def outs(policy: str, human: list[float]) -> list[Outcome]:
+        return [Outcome(policy=policy, called=("a",), returned="a", cost_usd=0.001, latency_ms=5.0, human=h,
+                        judge=2.0) for h in human]
+
+    rows = by_dev_half(scored, {"candidate": outs("candidate", [0.3, 0.6]), "best_single": outs("best_single", [0.3, 0.4])},
+                       {"candidate": "router@1"}, resamples=0)
+    (tmp_path / "runs" / "evals" / "halves").mkdir(parents=True)
+    (tmp_path / "runs" / "evals" / "halves" / "eval.json").write_text(json.dumps(
+        {"policies": {}, "comparisons": [], "dev_halves": [r.model_dump(mode="json") for r in rows]}))
+    client, _ = app
+    r = client.get("/eval?id=evals/halves", headers=HTML)
+    assert r.status_code == 200, r.text
+    table = r.text.split('id="dev-halves"', 1)[1].split("</table>", 1)[0]
+    assert "<td>tune</td>" in table and "<td>validation</td>" in table and "+50.0 %" in table and "+0.0 %" in table
+    assert "nothing" in table and "0.600" in table
 
 
 def test_a_signed_in_agree_is_published_and_stored(tmp_path):
