@@ -17,7 +17,6 @@ second run is fast; the first with a large model embeds ≈ 9,000 source texts.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -27,44 +26,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.judge_tune import WEIGHTS, search, tau
 from bench.label_rules import label_ndcg
+from bench.label_rules import parts as score_parts
 from schemas.base import decode
 from schemas.episode import Episode
 from services.common.prompt import query_of
 from services.common.splits import dev_half, normalise_query
 from services.evaluate.inputs import load_traces_file
-from services.judge.backends.local import LocalJudge
-from services.judge.blind import blind
-from services.judge.settings import default_judge
 from services.providers.human import QrelsStore, human_grades
 from services.providers.markets import market
-
-
-def score_parts(traces, model_path: str | None) -> dict[str, tuple[tuple[str, ...], list[float], list[float]]]:
-    """Per trace: the providers and each one's lexical and cosine scores under ``model_path`` (-1: failed)."""
-    judge = LocalJudge(default_judge().model_copy(update={"model_path": model_path}))
-    asyncio.run(judge.start())
-    out, t0 = {}, time.perf_counter()
-    try:
-        for n, t in enumerate(traces, 1):
-            seen = blind(t, 0)
-            shown = [c.sources[:judge.config.top_sources] for c in seen.request.candidates]
-            names = tuple(seen.letters[c.letter] for c in seen.request.candidates) + tuple(seen.not_shown)
-            pad = [-1.0] * len(seen.not_shown)
-            out[t.trace_id] = (names, [*judge._lexical(seen.request.query, shown), *pad],
-                               [*judge._cosine(seen.request.query, shown), *pad])
-            if n % 100 == 0:
-                print(f"    {n}/{len(traces)} traces, {time.perf_counter() - t0:.0f} s, {judge.embedding_stats}",
-                      flush=True)
-    finally:
-        asyncio.run(judge.close())
-    return out
 
 
 def compare(name: str, model_path: str | None, traces, human, train_ids: set[str], costs) -> dict:
     """Steps 1-3 of the module's docstring for one model."""
     print(f"{name}: scoring {len(traces)} traces", flush=True)
     t0 = time.perf_counter()
-    parts = score_parts(traces, model_path)
+    parts = score_parts(traces, model_path, progress=True)
     seconds = time.perf_counter() - t0
     rows = {"tune": [], "validation": []}
     for t in traces:

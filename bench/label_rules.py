@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.judge_tune import WEIGHTS
 from schemas.base import decode
 from schemas.episode import Episode
 from services.common.labels import cost_aware
@@ -80,25 +81,36 @@ async def judged(traces) -> dict[str, tuple[dict[str, float], tuple[tuple[str, .
     return out
 
 
-#: The grid of ``bench/judge_tune.py``: blend weights, and three increasing cut points from these.
-WEIGHTS, CUTS = (0.0, 0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), tuple(round(0.05 * i, 2) for i in range(2, 19))
+#: The blend weights of ``bench/judge_tune.py``; three increasing cut points drawn from a 0.05 grid.
+CUTS = tuple(round(0.05 * i, 2) for i in range(2, 19))
 
 
-def parts(traces) -> dict[str, tuple[tuple[str, ...], list[float], list[float]]]:
-    """Per trace: the providers, and each one's lexical and MiniLM scores (-1: failed, graded 0 by rule)."""
+def parts(traces, model_path: str | None = None,
+          progress: bool = False) -> dict[str, tuple[tuple[str, ...], list[float], list[float]]]:
+    """Per trace: the providers, and each one's lexical and cosine scores (-1: failed, graded 0 by rule).
+
+    The judge is the service's default (what it reads: its ``top_sources``) with the embedding model at
+    ``model_path`` (None: MiniLM); the weight and cut points are applied per call by the caller."""
+    import time
+
     from services.judge.backends.local import LocalJudge
 
-    judge = LocalJudge(default_judge())  # its top_sources: what the judge reads; weight and cuts come per call
+    judge = LocalJudge(default_judge().model_copy(update={"model_path": model_path}))
     asyncio.run(judge.start())
-    out = {}
-    for t in traces:
-        seen = blind(t, 0)
-        shown = [c.sources[:judge.config.top_sources] for c in seen.request.candidates]
-        names = tuple(seen.letters[c.letter] for c in seen.request.candidates) + tuple(seen.not_shown)
-        pad = [-1.0] * len(seen.not_shown)
-        out[t.trace_id] = (names, [*judge._lexical(seen.request.query, shown), *pad],
-                           [*judge._cosine(seen.request.query, shown), *pad])
-    asyncio.run(judge.close())
+    out, t0 = {}, time.perf_counter()
+    try:
+        for n, t in enumerate(traces, 1):
+            seen = blind(t, 0)
+            shown = [c.sources[:judge.config.top_sources] for c in seen.request.candidates]
+            names = tuple(seen.letters[c.letter] for c in seen.request.candidates) + tuple(seen.not_shown)
+            pad = [-1.0] * len(seen.not_shown)
+            out[t.trace_id] = (names, [*judge._lexical(seen.request.query, shown), *pad],
+                               [*judge._cosine(seen.request.query, shown), *pad])
+            if progress and n % 100 == 0:
+                print(f"    {n}/{len(traces)} traces, {time.perf_counter() - t0:.0f} s, {judge.embedding_stats}",
+                      flush=True)
+    finally:
+        asyncio.run(judge.close())
     return out
 
 
