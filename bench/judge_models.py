@@ -25,13 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.judge_tune import WEIGHTS, search, tau
-from bench.label_rules import label_ndcg
+from bench.label_rules import demo_inputs, label_ndcg
 from bench.label_rules import parts as score_parts
-from schemas.base import decode
-from schemas.episode import Episode
-from services.common.prompt import query_of
 from services.common.splits import dev_half, normalise_query
-from services.evaluate.inputs import load_traces_file
 from services.providers.human import QrelsStore, human_grades
 from services.providers.markets import market
 
@@ -63,15 +59,10 @@ def compare(name: str, model_path: str | None, traces, human, train_ids: set[str
 
 
 def main(args: argparse.Namespace) -> list[dict]:
-    demo = Path(args.demo_dir)
-    for need in ("train/episodes.jsonl", "eval/traces.jsonl"):
-        if not (demo / need).is_file():
-            raise SystemExit(f"judge_models: {demo / need} does not exist (--demo-dir: a finished demo's output folder)")
-    train_q = {normalise_query(query_of(decode(Episode, line)))
-               for line in (demo / "train" / "episodes.jsonl").read_bytes().splitlines() if line.strip()}
+    train_q, fanout = demo_inputs(Path(args.demo_dir), "judge_models")
     store, human, traces = QrelsStore(), {}, []
-    for t in load_traces_file(demo / "eval" / "traces.jsonl"):
-        if t.mode == "fanout" and (h := human_grades(t, store)) is not None:
+    for t in fanout:
+        if (h := human_grades(t, store)) is not None:
             human[t.trace_id] = h
             traces.append(t)
     train_ids = {t.trace_id for t in traces if normalise_query(t.query) in train_q}

@@ -174,14 +174,19 @@ def cut_points_cv(traces, human, costs: dict[str, float], today: tuple[float, tu
             "out_of_fold_gains_above_0": sum(g > 0 for g in gains), "chosen": chosen}
 
 
-async def main(args: argparse.Namespace) -> dict:
-    demo = Path(args.demo_dir)
+def demo_inputs(demo: Path, bench: str) -> tuple[set[str], list]:
+    """(the training episodes' normalised queries, every fan-out trace) of a finished demo; exit naming a missing file."""
     for need in ("train/episodes.jsonl", "eval/traces.jsonl"):
         if not (demo / need).is_file():
-            raise SystemExit(f"label_rules: {demo / need} does not exist (--demo-dir: a finished demo's output folder)")
+            raise SystemExit(f"{bench}: {demo / need} does not exist (--demo-dir: a finished demo's output folder)")
     train_q = {normalise_query(query_of(decode(Episode, line)))
                for line in (demo / "train" / "episodes.jsonl").read_bytes().splitlines() if line.strip()}
-    traces = [t for t in load_traces_file(demo / "eval" / "traces.jsonl") if t.mode == "fanout"]
+    return train_q, [t for t in load_traces_file(demo / "eval" / "traces.jsonl") if t.mode == "fanout"]
+
+
+async def main(args: argparse.Namespace) -> dict:
+    demo = Path(args.demo_dir)
+    train_q, traces = demo_inputs(demo, "label_rules")
     want_train = args.split == "train"
     traces = [t for t in traces if (normalise_query(t.query) in train_q) == want_train]
     store = QrelsStore()
