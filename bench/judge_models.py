@@ -59,6 +59,9 @@ def compare(name: str, model_path: str | None, traces, human, train_ids: set[str
 
 
 def main(args: argparse.Namespace) -> list[dict]:
+    missing = [m for m in args.model if not Path(m).is_dir()]
+    if missing:
+        raise SystemExit(f"judge_models: --model {missing[0]} is not a folder (a sentence-transformers model's)")
     train_q, fanout = demo_inputs(Path(args.demo_dir), "judge_models")
     store, human, traces = QrelsStore(), {}, []
     for t in fanout:

@@ -40,7 +40,7 @@ from services.common.prompt import query_of
 from services.common.splits import dev_half, normalise_query
 from services.evaluate.inputs import load_traces_file
 from services.judge.blind import blind
-from services.judge.settings import build_backend, default_judge
+from services.judge.settings import default_judge
 from services.providers.human import QrelsStore, human_grades
 from services.providers.markets import market
 
@@ -58,27 +58,6 @@ def pick(rule: str, scores: dict[str, float], tiers: tuple[tuple[str, ...], ...]
     if rule == "score":
         return min(scores, key=lambda n: (-scores[n], costs.get(n, float("inf")), n))
     raise ValueError(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
-
-
-async def judged(traces) -> dict[str, tuple[dict[str, float], tuple[tuple[str, ...], ...]]]:
-    """Per trace: the default judge's score and its grade tiers per provider (blind, as the worker sees it)."""
-    from services.judge.backends.local import grade_of, tiers_by_grade
-
-    backend = build_backend(default_judge())
-    await backend.start()
-    out = {}
-    try:
-        for t in traces:
-            seen = blind(t, 0)
-            by_letter = await asyncio.to_thread(backend.scores, seen.request)
-            scores = {seen.letters[k]: v for k, v in by_letter.items()}
-            for name in seen.not_shown:
-                scores[name] = -1.0  # failed: graded 0 by rule, last
-            grades = {n: (grade_of(s, backend.config.cut_points) if s >= 0 else -1) for n, s in scores.items()}
-            out[t.trace_id] = (scores, tiers_by_grade(grades))
-    finally:
-        await backend.close()
-    return out
 
 
 #: The blend weights of ``bench/judge_tune.py``; three increasing cut points drawn from a 0.05 grid.
@@ -114,14 +93,21 @@ def parts(traces, model_path: str | None = None,
     return out
 
 
-def label_ndcg(rows, w: float, cuts, costs: dict[str, float]) -> float:
-    """Mean nDCG@10 (qrels) of the provider the label names when the judge blends with ``w`` and cuts at ``cuts``."""
+def verdict(names: tuple[str, ...], lex: list[float], cos: list[float], w: float,
+            cuts) -> tuple[dict[str, float], tuple[tuple[str, ...], ...]]:
+    """The judge's scores and grade tiers from its two parts, as the worker computes them (scores rounded to
+    6 places; a failed provider, -1, scores -1 and sits in a tier of its own, last)."""
     from services.judge.backends.local import grade_of, tiers_by_grade
 
+    scores = {n: round((1 - w) * a + w * b, 6) if a >= 0 else -1.0 for n, a, b in zip(names, lex, cos)}
+    return scores, tiers_by_grade({n: grade_of(v, cuts) if v >= 0 else -1 for n, v in scores.items()})
+
+
+def label_ndcg(rows, w: float, cuts, costs: dict[str, float]) -> float:
+    """Mean nDCG@10 (qrels) of the provider the label names when the judge blends with ``w`` and cuts at ``cuts``."""
     total = 0.0
     for (names, lex, cos), ndcg in rows:
-        grades = {n: grade_of((1 - w) * a + w * b, cuts) if a >= 0 else -1 for n, a, b in zip(names, lex, cos)}
-        total += ndcg.get(cost_aware(tiers_by_grade(grades), costs)[0][0], 0.0)
+        total += ndcg.get(cost_aware(verdict(names, lex, cos, w, cuts)[1], costs)[0][0], 0.0)
     return total / len(rows)
 
 
@@ -130,10 +116,10 @@ def fold_of(key: str, salt: int) -> int:
     return hashlib.sha256(((f"{salt}:" if salt else "") + key).encode()).digest()[0] % 2
 
 
-def cut_points_cv(traces, human, costs: dict[str, float], today: tuple[float, tuple[float, ...]],
+def cut_points_cv(scores, traces, human, costs: dict[str, float], today: tuple[float, tuple[float, ...]],
                   salts: tuple[int, ...] = (0,)) -> dict:
-    """Two-fold per salt: the grid's best on each half of the queries, scored on the other, beside today's."""
-    scores = parts(traces)
+    """Two-fold per salt: the grid's best on each half of the queries, scored on the other, beside today's
+    (``scores``: :func:`parts` of ``traces``)."""
     grid = [(w, c) for w in WEIGHTS for c in itertools.combinations(CUTS, 3)]
     out = []
     for salt in salts:
@@ -193,7 +179,10 @@ async def main(args: argparse.Namespace) -> dict:
     human = {t.trace_id: h for t in traces if (h := human_grades(t, store)) is not None}
     traces = [t for t in traces if t.trace_id in human]
     costs = {p.name: p.cost_usd for p in market("federated")}
-    verdicts = await judged(traces)
+    judge = default_judge()
+    today = (judge.embedding_weight, tuple(judge.cut_points))
+    scores = await asyncio.to_thread(parts, traces)
+    verdicts = {k: verdict(*v, *today) for k, v in scores.items()}
     rows, picks = {}, {}
     for rule in RULES:
         chosen = {t.trace_id: pick(rule, *verdicts[t.trace_id], costs) for t in traces}
@@ -212,13 +201,21 @@ async def main(args: argparse.Namespace) -> dict:
         shares = ", ".join(f"{n} {c}" for n, c in r["shares"].items())
         print(f"  {rule:<16} {r['ndcg10']:>8.4f} {r['cost_usd']:>9.6f} {r['changed_vs_today']:>8}  {shares}")
     if args.cut_points:
-        c = default_judge()
         print("the judge's weight and cut points chosen for its labels' nDCG, two-fold over these queries:")
-        report["cut_points"] = await asyncio.to_thread(cut_points_cv, traces, human, costs,
-                                                       (c.embedding_weight, tuple(c.cut_points)), args.fold_salts)
+        report["cut_points"] = await asyncio.to_thread(cut_points_cv, scores, traces, human, costs, today,
+                                                       args.fold_salts)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def salts(value: str) -> tuple[int, ...]:
+    """``--fold-salts``: comma-separated integers, at least one."""
+    try:
+        out = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a comma-separated list of integers (e.g. 0,1,2)") from None
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -229,7 +226,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="whose queries: the demo's training split (default) or its held-out one")
     p.add_argument("--cut-points", action="store_true",
                    help="also choose the judge's weight and cut points for its labels' nDCG, two-fold")
-    p.add_argument("--fold-salts", type=lambda v: tuple(int(x) for x in v.split(",")), default=(0,),
+    p.add_argument("--fold-salts", type=salts, default=(0,),
                    help="with --cut-points: one two-fold split per salt (comma-separated integers)")
     p.add_argument("--json", default="", help="also write the figures here")
     return p.parse_args(argv)

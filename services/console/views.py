@@ -73,8 +73,13 @@ def eval_page(doc: dict[str, Any], decision: dict[str, Any] | None) -> dict[str,
                        "figures": {k: f.get(k) for k in ("aiq_router", "aiq_mixing", "apgr", "cpt50", "cpt80",
                                                          "weak", "strong")}})
     return {"inputs": doc.get("inputs") or {}, "policies": policies, "comparisons": doc.get("comparisons") or [],
-            "collections": doc.get("collections") or [], "dev_halves": doc.get("dev_halves") or [],
+            "collections": doc.get("collections") or [], "dev_halves": _rows(doc.get("dev_halves"), "human"),
             "planes": planes, "decision": decision}
+
+
+def _rows(value: Any, needs: str) -> list[dict[str, Any]]:
+    """The rows of a list field that are objects with a ``needs`` object (a hand-edited report shows what it can)."""
+    return [r for r in value if isinstance(r, dict) and isinstance(r.get(needs), dict)] if isinstance(value, list) else []
 
 
 def adapters_page(events: list[Any], promoted: dict[str, tuple[int, str | None] | None],

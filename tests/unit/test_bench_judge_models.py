@@ -14,6 +14,13 @@ def test_a_folder_without_a_demo_is_named(tmp_path):
         main(parse(["--demo-dir", str(tmp_path)]))
 
 
+def test_a_model_that_is_not_a_folder_is_named_before_anything_is_read(tmp_path):
+    from bench.judge_models import main, parse
+
+    with pytest.raises(SystemExit, match=r"--model .*no-such-model is not a folder"):
+        main(parse(["--demo-dir", str(tmp_path), "--model", str(tmp_path / "no-such-model")]))
+
+
 def test_the_default_judge_is_tuned_on_the_tuning_half_and_its_labels_scored_on_the_training_split(monkeypatch):
     import bench.judge_models
     from bench.judge_models import compare

@@ -60,3 +60,12 @@ def test_folds_are_fixed_by_the_query_id_and_salt():
     assert [fold_of(q, 1) for q in ids] == [fold_of(q, 1) for q in ids]
     assert [fold_of(q, 1) for q in ids] != [fold_of(q, 2) for q in ids]
     assert 60 < sum(fold_of(q, 3) for q in ids) < 140
+
+
+def test_fold_salts_that_are_not_integers_are_refused_naming_the_flag(capsys):
+    from bench.label_rules import parse
+
+    assert parse(["--fold-salts", "0,3"]).fold_salts == (0, 3)
+    with pytest.raises(SystemExit):
+        parse(["--fold-salts", "0,x"])
+    assert "--fold-salts" in capsys.readouterr().err

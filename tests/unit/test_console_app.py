@@ -193,6 +193,11 @@ def test_the_evaluation_page_shows_the_split_by_dev_half(app, tmp_path):
     table = r.text.split('id="dev-halves"', 1)[1].split("</table>", 1)[0]
     assert "<td>tune</td>" in table and "<td>validation</td>" in table and "+50.0 %" in table and "+0.0 %" in table
     assert "nothing" in table and "0.600" in table
+    for garbage in ("halves", [1, {"half": "tune"}, {"half": "tune", "human": "x"}]):  # a hand-edited report
+        (tmp_path / "runs" / "evals" / "halves" / "eval.json").write_text(json.dumps(
+            {"policies": {}, "comparisons": [], "dev_halves": garbage}))
+        r = client.get("/eval?id=evals/halves", headers=HTML)
+        assert r.status_code == 200 and 'id="dev-halves"' not in r.text, r.text
 
 
 def test_a_signed_in_agree_is_published_and_stored(tmp_path):
