@@ -90,9 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         return priced(gateway_picks(probs, cost, args.cost_weight, rates))
 
     def priced(picks: dict[str, str]) -> dict[str, Any]:
-        """nDCG@10 (qrels), shares and cost per query; the held-out episodes carry no judge label, so the
-        summary's agreement and tier grade would mean nothing here and are left out."""
-        return {k: v for k, v in q.summary(picks, cost).items() if k not in ("agree", "tier_grade")}
+        return q.qrels_summary(picks, cost)
     print(f"{len(dev)} development training episodes, {len(synth)} synthetic; {len(held)} held-out traces "
           f"({len(q.human)} with qrels)", flush=True)
     sizes = sorted({min(int(s), len(dev) + len(synth)) for s in args.sizes.split(",")})

@@ -58,6 +58,11 @@ class Queries:
             out["cost"] = sum(cost.get(v, 0.0) for v in picks.values()) / max(len(picks), 1)
         return out
 
+    def qrels_summary(self, picks: Mapping[str, str], cost: Mapping[str, float]) -> dict[str, Any]:
+        """:meth:`summary` for held-out episodes: nDCG@10 (qrels), shares and cost per query. Their answers carry
+        no judge label, so agreement and tier grade would mean nothing and are left out."""
+        return {k: v for k, v in self.summary(picks, cost).items() if k not in ("agree", "tier_grade")}
+
     def adapter_picks(self, adapter: Path, base: Path, pad_id: int) -> dict[str, str]:
         """episode id → the provider the adapter's scores choose."""
         return {e: top(p) for e, p in self.adapter_probs(adapter, base, pad_id).items()}
