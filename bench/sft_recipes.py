@@ -22,6 +22,11 @@ below τ, the best single provider answers. Those rows carry the cost per query 
 over (a knob tried for the judge's measure; issue 23). ``--ensemble 0.25,0.5,0.75`` adds rows of each recipe's
 last pass averaged with the linear router (weight w on the student's probabilities), decided the same way.
 
+``--draws N`` trains each recipe N times (pass p of draw d seeded 1000·d + p; draw 0 is the one-draw run).
+``--average-passes 2,3`` adds, per draw, a row for the adapter whose LoRA delta is the exact mean of those
+passes' (``bench/adapter_average.py``: the factors stacked, rank × N, no serving cost once merged);
+``--soup`` a row for the mean of every draw's last pass.
+
 Writes bench/results/sft_recipes.json and a PNG of validation nDCG by pass.
 """
 
@@ -135,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
                     "probability is below τ to the best single provider")
     ap.add_argument("--ensemble", type=_taus, default=[], help="comma-separated weights w: rows of each recipe's last "
                     "pass with w · its probabilities + (1 − w) · the linear router's, decided the same way")
+    ap.add_argument("--draws", type=_bounded(int, 1, 10), default=1,
+                    help="train each recipe this many times, pass p of draw d seeded 1000·d + p (draw 0: seed p)")
+    ap.add_argument("--average-passes", type=_passes, default=[], help="comma-separated pass numbers: a row of "
+                    "each draw's adapter whose LoRA delta is the exact mean of those passes' (bench/adapter_average.py)")
+    ap.add_argument("--soup", action="store_true", help="with --draws > 1: a row of the mean of every draw's "
+                    "last-pass delta")
     ap.add_argument("--decision", choices=("top-tier", "first-choice"), default=DEMO.decision,
                     help="how every router row decides, as the gateway does (default: the demo's)")
     ap.add_argument("--cost-weight", type=_bounded(float, 0, 1e6), default=DEMO.cost_weight,
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/fanroute-sft-recipes"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/sft_recipes.json")
     args = ap.parse_args(argv)
+    if any(p > args.passes for p in args.average_passes):
+        ap.error(f"--average-passes {args.average_passes}: every pass must be within 1..--passes ({args.passes})")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown:
@@ -202,29 +215,68 @@ def main(argv: list[str] | None = None) -> int:
         rbase, depth = base, RECIPES[recipe].get("layers")
         if depth is not None:
             rbase = truncated_base(base, depth, args.work_dir / "bases" / f"L{depth}")
-        for p in range(1, args.passes + 1):
-            t0 = time.perf_counter()
-            shutil.rmtree(args.work_dir / recipe / f"pass{p}", ignore_errors=True)  # a re-run trains afresh
-            run = train(settings_for(recipe, rfit, args.work_dir / recipe / f"pass{p}", init, p, str(rbase)),
-                        out=lambda line: None)
-            init = run.adapter_dir
-            probs = rq.adapter_probs(init, rbase, pad_id)  # one pass over the validation queries serves every row
-            row = {"policy": recipe, "pass": p, "train_s": round(time.perf_counter() - t0, 1), **routed(probs, rq)}
-            rows.append(row)
-            print(f"{recipe:<16} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
-                  f"grade {row['tier_grade']:.2f} cost {row['cost'] * 1000:.2f}m ({row['train_s']:.0f} s) "
-                  f"{row['shares']}", flush=True)
-            if p == args.passes and taus:
-                rows += [{**r, "pass": p} for r in hedge_rows(recipe, probs)]
-            if p == args.passes and args.ensemble:
-                rows += ensemble_rows(recipe, p, probs, linear,
-                                      args.ensemble, lambda probs, rq=rq: routed(probs, rq))
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"decision": args.decision, "cost_weight": args.cost_weight,
-                                            "fit_episodes": len(fit_eps), "val_episodes": len(val),
-                                            "val_with_qrels": len(q.human), "rows": rows}, indent=2) + "\n")
+        lasts: list[Path] = []
+        for d in range(args.draws):
+            init, done = None, {}
+            for p in range(1, args.passes + 1):
+                t0 = time.perf_counter()
+                out_dir = args.work_dir / recipe / (f"pass{p}" if d == 0 else f"draw{d}/pass{p}")
+                shutil.rmtree(out_dir, ignore_errors=True)  # a re-run trains afresh
+                run = train(settings_for(recipe, rfit, out_dir, init, 1000 * d + p, str(rbase)), out=lambda line: None)
+                init = done[p] = run.adapter_dir
+                probs = rq.adapter_probs(init, rbase, pad_id)  # one pass over the validation queries serves every row
+                row = {"policy": recipe, "draw": d, "pass": p, "train_s": round(time.perf_counter() - t0, 1),
+                       **routed(probs, rq)}
+                rows.append(row)
+                print(f"{recipe:<16} draw {d} pass {p}: nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} "
+                      f"grade {row['tier_grade']:.2f} cost {row['cost'] * 1000:.2f}m ({row['train_s']:.0f} s) "
+                      f"{row['shares']}", flush=True)
+                if p == args.passes and taus:
+                    rows += [{**r, "draw": d, "pass": p} for r in hedge_rows(recipe, probs)]
+                if p == args.passes and args.ensemble:
+                    rows += ensemble_rows(recipe, p, probs, linear,
+                                          args.ensemble, lambda probs, rq=rq: routed(probs, rq))
+                if args.average_passes and p == max(args.average_passes):
+                    rows.append(averaged_row(f"{recipe}, passes {'+'.join(map(str, args.average_passes))} averaged",
+                                             [done[k] for k in args.average_passes], out_dir.parent / "averaged",
+                                             lambda a: routed(rq.adapter_probs(a, rbase, pad_id), rq), {"draw": d, "pass": p}))
+                write(args, rows, len(fit_eps), len(val), len(q.human))
+            lasts.append(init)
+        if args.soup and len(lasts) > 1:
+            rows.append(averaged_row(f"{recipe}, {len(lasts)} draws averaged", lasts, args.work_dir / recipe / "soup",
+                                     lambda a: routed(rq.adapter_probs(a, rbase, pad_id), rq), {"pass": args.passes}))
+            write(args, rows, len(fit_eps), len(val), len(q.human))
     plot(rows, args.out.with_suffix(".png"))
     return 0
+
+
+def write(args: argparse.Namespace, rows: list[dict[str, Any]], fit: int, val: int, with_qrels: int) -> None:
+    """The results so far (rewritten after every row, so a long run shows its progress)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"decision": args.decision, "cost_weight": args.cost_weight, "fit_episodes": fit,
+                                    "val_episodes": val, "val_with_qrels": with_qrels, "rows": rows}, indent=2) + "\n")
+
+
+def averaged_row(policy: str, adapters: list[Path], out: Path, routed: Any, where: dict[str, int]) -> dict[str, Any]:
+    """The row of the adapter whose delta is the mean of ``adapters``' (bench/adapter_average.py)."""
+    from bench.adapter_average import average_adapters
+
+    shutil.rmtree(out, ignore_errors=True)
+    row = {"policy": policy, **where, **routed(average_adapters(adapters, out))}
+    print(f"{policy:<28} nDCG@10 {row['ndcg10']:.3f} agree {row['agree']:.2f} grade {row['tier_grade']:.2f} "
+          f"cost {row['cost'] * 1000:.2f}m {row['shares']}", flush=True)
+    return row
+
+
+def _passes(text: str) -> list[int]:
+    """``--average-passes``: two or more distinct pass numbers, comma-separated."""
+    try:
+        passes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want comma-separated pass numbers, got {text!r}") from None
+    if len(passes) < 2 or passes[0] < 1:
+        raise argparse.ArgumentTypeError(f"want two or more pass numbers from 1, got {text!r}")
+    return passes
 
 
 def ensemble_rows(recipe: str, p: int, lm: dict[str, dict[str, float]], linear: dict[str, dict[str, float]],
@@ -245,9 +297,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     fig, ax = new_axes((7, 4))
     rows = [r for r in rows if "tau" not in r and "w_lm" not in r]  # hedged and mixed rows are a table, not a curve
-    for name in dict.fromkeys(r["policy"] for r in rows if "pass" in r):
-        pts = [(r["pass"], r["ndcg10"]) for r in rows if r["policy"] == name and "pass" in r]
-        ax.plot(*zip(*pts, strict=True), marker="o", label=name)
+    for name, d in dict.fromkeys((r["policy"], r.get("draw", 0)) for r in rows if "pass" in r):
+        pts = [(r["pass"], r["ndcg10"]) for r in rows if r["policy"] == name and r.get("draw", 0) == d and "pass" in r]
+        ax.plot(*zip(*pts, strict=True), marker="o", label=name + (f" (draw {d})" if d else ""))
     for r, style in zip([r for r in rows if "pass" not in r], (":", "--", "-."), strict=False):
         ax.axhline(r["ndcg10"], linestyle=style, color="grey", label=r["policy"])
     finish(fig, ax, path, xlabel="chained one-pass SFT runs", ylabel="validation nDCG@10 (human qrels)",

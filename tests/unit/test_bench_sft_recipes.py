@@ -93,6 +93,38 @@ def test_a_tiny_run_scores_every_pass_and_runs_again_in_the_same_work_dir(tmp_pa
         [{k: v for k, v in r.items() if k not in drop} for r in rep["rows"]]
 
 
+def test_draws_are_seeded_apart_and_averaged_adapters_get_their_rows(tmp_path: Path, monkeypatch):
+    """``--draws 2 --average-passes 1,2 --soup``: each draw's passes, an averaged row per draw after its pass 2,
+    and one row for the draws averaged; draw 0 keeps the seeds of a one-draw run, draw 1 trains another adapter."""
+    import json
+
+    from bench.sft_recipes import main
+    from services.common.dataset import write_jsonl
+    from tests.support.records import adi, adi_trace, episode
+    from tests.support.tiny_model import build_tiny_model
+
+    traces = [adi_trace(q) for q in sorted(adi()[0], key=int)[:16]]
+    eps = [episode(t.query, "good > cheap = flaky" if i % 3 else "cheap > good > flaky", ["cheap", "flaky", "good"],
+                   ep_id=f"e{i}", trace_id=t.trace_id) for i, t in enumerate(traces)]
+    write_jsonl(eps, tmp_path / "episodes.jsonl")
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
+    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(build_tiny_model(tmp_path / "tiny", context=1024)))
+    out, work = tmp_path / "r.json", tmp_path / "work"
+    assert main(["--episodes", str(tmp_path / "episodes.jsonl"), "--traces", str(tmp_path / "traces.jsonl"),
+                 "--recipes", "first", "--passes", "2", "--draws", "2", "--average-passes", "1,2", "--soup",
+                 "--work-dir", str(work), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["draw"], r["pass"]) for r in rows if r["policy"] == "first"] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    averaged = [r for r in rows if r["policy"] == "first, passes 1+2 averaged"]
+    assert [(r["draw"], r["pass"]) for r in averaged] == [(0, 2), (1, 2)]
+    soup = [r for r in rows if r["policy"] == "first, 2 draws averaged"]
+    assert len(soup) == 1 and soup[0]["pass"] == 2
+    w0 = (work / "first" / "pass2" / "adapter" / "adapter_model.safetensors").read_bytes()
+    w1 = (work / "first" / "draw1" / "pass2" / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert w0 != w1
+    assert json.loads((work / "first" / "soup" / "adapter_config.json").read_text())["r"] == 16  # 2 × the default 8
+
+
 def test_a_shallower_base_is_the_first_layers_of_the_base_and_its_recipes_name_it(tmp_path: Path):
     """``layers-*`` recipes: the copy keeps the first N decoder layers (its logits are the full model's
     hidden state after layer N through the same norm and output layer), is built once, refuses a depth it
