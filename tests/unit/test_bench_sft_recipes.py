@@ -55,22 +55,27 @@ def test_a_bad_number_is_refused_naming_the_flag(tmp_path: Path, capsys, flag: s
     assert flag in err and says in err
 
 
+def _tiny_inputs(tmp_path: Path, monkeypatch, n: int) -> None:
+    """``n`` adi traces and their episodes (episodes.jsonl, traces.jsonl in ``tmp_path``) and a tiny base model."""
+    from services.common.dataset import write_jsonl
+    from tests.support.records import adi, adi_trace, episode
+    from tests.support.tiny_model import build_tiny_model
+    traces = [adi_trace(q) for q in sorted(adi()[0], key=int)[:n]]
+    eps = [episode(t.query, "good > cheap = flaky" if i % 3 else "cheap > good > flaky", ["cheap", "flaky", "good"],
+                   ep_id=f"e{i}", trace_id=t.trace_id) for i, t in enumerate(traces)]
+    write_jsonl(eps, tmp_path / "episodes.jsonl")
+    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
+    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(build_tiny_model(tmp_path / "tiny", context=1024)))
+
+
 def test_a_tiny_run_scores_every_pass_and_runs_again_in_the_same_work_dir(tmp_path: Path, monkeypatch):
     """Rows for the baselines and each pass, decided as the gateway decides; a second run in the same work
     directory trains afresh (it used to refuse the last run's checkpoints) and gives the same figures."""
     import json
 
     from bench.sft_recipes import main
-    from services.common.dataset import write_jsonl
-    from tests.support.records import adi, adi_trace, episode
-    from tests.support.tiny_model import build_tiny_model
 
-    traces = [adi_trace(q) for q in sorted(adi()[0], key=int)[:24]]
-    eps = [episode(t.query, "good > cheap = flaky" if i % 3 else "cheap > good > flaky", ["cheap", "flaky", "good"],
-                   ep_id=f"e{i}", trace_id=t.trace_id) for i, t in enumerate(traces)]
-    write_jsonl(eps, tmp_path / "episodes.jsonl")
-    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
-    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(build_tiny_model(tmp_path / "tiny", context=1024)))
+    _tiny_inputs(tmp_path, monkeypatch, 24)
     reports = []
     for name in ("first.json", "again.json"):
         out = tmp_path / name
@@ -99,16 +104,8 @@ def test_draws_are_seeded_apart_and_averaged_adapters_get_their_rows(tmp_path: P
     import json
 
     from bench.sft_recipes import main
-    from services.common.dataset import write_jsonl
-    from tests.support.records import adi, adi_trace, episode
-    from tests.support.tiny_model import build_tiny_model
 
-    traces = [adi_trace(q) for q in sorted(adi()[0], key=int)[:16]]
-    eps = [episode(t.query, "good > cheap = flaky" if i % 3 else "cheap > good > flaky", ["cheap", "flaky", "good"],
-                   ep_id=f"e{i}", trace_id=t.trace_id) for i, t in enumerate(traces)]
-    write_jsonl(eps, tmp_path / "episodes.jsonl")
-    (tmp_path / "traces.jsonl").write_text("".join(t.model_dump_json() + "\n" for t in traces))
-    monkeypatch.setenv("FANROUTE_BASE_MODEL", str(build_tiny_model(tmp_path / "tiny", context=1024)))
+    _tiny_inputs(tmp_path, monkeypatch, 16)
     out, work = tmp_path / "r.json", tmp_path / "work"
     assert main(["--episodes", str(tmp_path / "episodes.jsonl"), "--traces", str(tmp_path / "traces.jsonl"),
                  "--recipes", "first", "--passes", "2", "--draws", "2", "--average-passes", "1,2", "--soup",
