@@ -20,7 +20,6 @@ Writes bench/results/seed_spread.json and seed_spread.png.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 import statistics
@@ -47,7 +46,9 @@ def pass_seed(offset: int, k: int) -> int:
 
 def adapter_sha(adapter: Path) -> str:
     """sha256 of the adapter's weights file (what the publisher stamps)."""
-    return hashlib.sha256((adapter / "adapter_model.safetensors").read_bytes()).hexdigest()
+    from services.common.adapter_files import sha256_file
+
+    return sha256_file(adapter / "adapter_model.safetensors")
 
 
 def meets(row: dict[str, Any]) -> bool:
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace, train_file: Path) -> int:
           f"{result['demo']['eval_json_student']})", flush=True)
     for s in range(len(result["draws"]), args.seeds):
         t0 = time.perf_counter()
-        adapter, passes = train_draw(s, args, train_file, base_model)
+        adapter, passes = train_draw(s, args, train_file, base_model, cost)
         row = {"offset": s, "seeds": [pass_seed(s, k) for k in range(len(passes))], "passes": passes,
                "adapter_sha256": adapter_sha(adapter), "train_s": round(time.perf_counter() - t0, 1),
                **row_of(lm_picks(q, adapter, base, pad_id, cost))}
@@ -194,7 +195,8 @@ def compare(q: Any, a: dict[str, str], b: dict[str, str], resamples: int) -> dic
             "wins": p.wins, "ties": p.ties, "losses": p.losses}
 
 
-def train_draw(offset: int, args: argparse.Namespace, train_file: Path, base_model: str) -> tuple[Path, list[dict]]:
+def train_draw(offset: int, args: argparse.Namespace, train_file: Path, base_model: str,
+               cost: dict[str, float]) -> tuple[Path, list[dict]]:
     """The demo's chained passes with this draw's seeds, the pass chosen as the demo chooses it; returns the
     chosen adapter and each pass's utility on the trainer's eval episodes."""
     from services.tools.demo_loop import (
@@ -206,7 +208,7 @@ def train_draw(offset: int, args: argparse.Namespace, train_file: Path, base_mod
     from services.trainer.settings import TrainerSettings
     from services.trainer.train import train
 
-    costs = ",".join(f"{k}={v:g}" for k, v in sorted(provider_costs(args.demo_dir).items()))
+    costs = ",".join(f"{k}={v:g}" for k, v in sorted(cost.items()))  # as the demo's gateway priced them
     utilities: list[float | None] = []
     adapters: list[Path] = []
     init = None
@@ -226,13 +228,6 @@ def train_draw(offset: int, args: argparse.Namespace, train_file: Path, base_mod
             break
     pick = chosen_pass(utilities) if DEMO.select_pass == "route" else len(adapters) - 1
     return adapters[pick], [{"pass": i + 1, "utility": u, "chosen": i == pick} for i, u in enumerate(utilities)]
-
-
-def provider_costs(demo_dir: Path) -> dict[str, float]:
-    """Provider → USD per call, as the demo's gateway priced them (read off the held-out traces)."""
-    from services.evaluate.inputs import load_traces_file
-
-    return {c.provider: c.cost_usd for t in load_traces_file(demo_dir / "eval" / "traces.jsonl") for c in t.candidates}
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
